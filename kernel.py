@@ -1,0 +1,347 @@
+"""One fused Triton kernel that dequantizes a bitsandbytes 4-bit weight (NF4 or FP4).
+
+The format (bitsandbytes, ``compress_statistics=True``)::
+
+    scale(b)  = fp32(code2[absmax_u8[b]] * absmax2[b // BLOCKSIZE2]) + offset     # two roundings
+    out[i]    = T(fp32(code[q(i)] * scale(i // BLOCKSIZE)))                        # one more, then the cast
+
+``q(i)`` is byte ``i // 2`` of the packed weight, high nibble for even ``i``. Without double
+quantization ``scale(b)`` is the fp32 ``absmax[b]``. One launch decodes the absmax and forms the
+weight; the output is the only allocation.
+
+Bit-exactness rests on three facts, each tested on the GPU against bitsandbytes:
+- no fused multiply-add may form in the scale: the inline-PTX path uses ``mul.rn.f32`` and
+  ``add.rn.f32`` (PTX never contracts instructions with an explicit rounding mode); the pure-Triton
+  path is compiled with ``enable_fp_fusion=False``;
+- the casts to fp16 and bf16 round to nearest even; where the hardware has no fp32-to-bf16
+  conversion (sm_75) or Triton's interpreter truncates, bf16 is rounded with integer operations;
+- 64-bit offsets are used once the element count passes 2**31 - 1.
+
+Without CUDA (CI, laptops) the same kernel runs on CPU tensors through Triton's interpreter.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton picks its interpreter when ``@triton.jit`` runs (read from the environment at that
+    # moment), so setting it here works even if another package imported triton first.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+__all__ = ["dequantize_nf4", "your_dequantize_nf4", "_your_dequantize_nf4", "INTERPRET"]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_INT32_MAX = 2**31 - 1
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _mul_rn(a, b, USE_ASM: tl.constexpr):
+    """fp32 product rounded once; the PTX form can never be contracted into an FMA."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a * b
+
+
+@triton.jit
+def _add_rn(a, b, USE_ASM: tl.constexpr):
+    """fp32 sum rounded once (see ``_mul_rn``)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            "add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a + b
+
+
+@triton.jit
+def _fp32_to_bf16_rne(x):
+    """Round fp32 to bf16, nearest even, with integer operations only (NaN stays NaN)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    quiet_nan = (bits >> 16) | 0x40
+    rounded = tl.where(x != x, quiet_nan, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _dequantize_4bit_kernel(
+    # inputs
+    packed_ptr,  # uint8 [ceil(n_elements / 2)], two 4-bit codes per byte, high nibble first
+    absmax_ptr,  # uint8 [n_blocks] when NESTED, else fp32 [n_blocks]
+    code_ptr,  # fp32 [16], the 4-bit codebook (NF4 or FP4)
+    absmax2_ptr,  # fp32 [ceil(n_blocks / BLOCKSIZE2)] (NESTED only)
+    code2_ptr,  # fp32 [256], the 8-bit codebook of the absmax (NESTED only)
+    offset_ptr,  # fp32 [1], added to every decoded absmax (NESTED only)
+    # output
+    out_ptr,  # OUT_DTYPE [n_elements]
+    # sizes
+    n_elements,  # number of output elements
+    n_bytes,  # packed bytes holding them, ceil(n_elements / 2); a separate argument so that
+    #           Triton can see its divisibility by 16 and vectorize the masked loads
+    # format
+    BLOCKSIZE: tl.constexpr,  # elements per absmax (power of two >= 2)
+    BLOCKSIZE2: tl.constexpr,  # absmax values per absmax2 (NESTED only)
+    NESTED: tl.constexpr,  # absmax itself is 8-bit quantized (compress_statistics=True)
+    OUT_DTYPE: tl.constexpr,  # tl.float16, tl.bfloat16 or tl.float32
+    # implementation
+    BYTES_PER_PROGRAM: tl.constexpr,  # packed bytes per program (power of two)
+    USE_INT64: tl.constexpr,  # 64-bit offsets (n_elements > 2**31 - 1)
+    USE_ASM: tl.constexpr,  # inline-PTX arithmetic (NVIDIA only)
+    BF16_VIA_INT: tl.constexpr,  # round to bf16 with integer ops (sm_75, interpreter)
+):
+    # A tile is ROWS x COLS packed bytes; every row lies inside one quantization block, so the
+    # scale is decoded once per row and broadcast along it.
+    BYTES_PER_BLOCK: tl.constexpr = BLOCKSIZE // 2
+    COLS: tl.constexpr = BYTES_PER_BLOCK if BYTES_PER_BLOCK < BYTES_PER_PROGRAM else BYTES_PER_PROGRAM
+    ROWS: tl.constexpr = BYTES_PER_PROGRAM // COLS
+
+    pid = tl.program_id(0)
+    if USE_INT64:
+        pid = pid.to(tl.int64)
+    row_start = pid * BYTES_PER_PROGRAM + tl.arange(0, ROWS) * COLS  # [ROWS] first byte of row
+    byte_offsets = row_start[:, None] + tl.arange(0, COLS)[None, :]  # [ROWS, COLS]
+    packed = tl.load(
+        packed_ptr + byte_offsets,
+        mask=byte_offsets < n_bytes,
+        other=0,
+        eviction_policy="evict_first",
+    )
+
+    block = row_start // BYTES_PER_BLOCK  # [ROWS]
+    row_mask = row_start < n_bytes
+    if NESTED:
+        absmax_q = tl.load(absmax_ptr + block, mask=row_mask, other=0, eviction_policy="evict_last")
+        absmax_code = tl.load(code2_ptr + absmax_q.to(tl.int32), eviction_policy="evict_last")
+        absmax2 = tl.load(
+            absmax2_ptr + block // BLOCKSIZE2, mask=row_mask, other=0, eviction_policy="evict_last"
+        )
+        offset = tl.load(offset_ptr)
+        scale = _add_rn(_mul_rn(absmax_code, absmax2, USE_ASM), offset, USE_ASM)
+    else:
+        scale = tl.load(absmax_ptr + block, mask=row_mask, other=0.0, eviction_policy="evict_last")
+    scale = tl.broadcast_to(scale[:, None], (ROWS, COLS))
+
+    high = tl.load(code_ptr + (packed >> 4).to(tl.int32), eviction_policy="evict_last")
+    low = tl.load(code_ptr + (packed & 0xF).to(tl.int32), eviction_policy="evict_last")
+    high = _mul_rn(high, scale, USE_ASM)
+    low = _mul_rn(low, scale, USE_ASM)
+    values = tl.join(high, low).reshape(ROWS, 2 * COLS)  # element 2j is byte j's high nibble
+
+    if OUT_DTYPE == tl.bfloat16 and BF16_VIA_INT:
+        values = _fp32_to_bf16_rne(values)
+    else:
+        values = values.to(OUT_DTYPE)
+    out_offsets = 2 * row_start[:, None] + tl.arange(0, 2 * COLS)[None, :]
+    tl.store(out_ptr + out_offsets, values, mask=out_offsets < n_elements, eviction_policy="evict_first")
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------
+# Placeholder until the launch sweep picks per-architecture values: 1024 packed bytes (2048
+# outputs) per program over 4 warps gives each thread 8 packed bytes and 16 outputs.
+BYTES_PER_PROGRAM = 1024
+NUM_WARPS = 4
+
+
+def kernel_variant(out_dtype, *, nested, blocksize=64, blocksize2=256, use_int64=False,
+                   use_asm=None, bf16_via_int=None, capability=None):
+    """The constexpr arguments of one kernel variant (also used by the AOT compile test)."""
+    if capability is None:
+        capability = _capability()
+    if use_asm is None:
+        use_asm = not INTERPRET and _is_nvidia()
+    if bf16_via_int is None:
+        bf16_via_int = INTERPRET or capability < (8, 0)
+    return dict(
+        BLOCKSIZE=blocksize,
+        BLOCKSIZE2=blocksize2 if nested else 1,
+        NESTED=nested,
+        OUT_DTYPE=_TL_DTYPE[out_dtype],
+        BYTES_PER_PROGRAM=BYTES_PER_PROGRAM,
+        USE_INT64=use_int64,
+        USE_ASM=use_asm,
+        BF16_VIA_INT=bf16_via_int,
+    )
+
+
+def compile_options(use_asm):
+    """Without the inline PTX, the compiler must not contract the scale into an FMA."""
+    return {"enable_fp_fusion": bool(use_asm)}
+
+
+def _is_nvidia():
+    return torch.cuda.is_available() and torch.version.hip is None
+
+
+def _capability(device=None):
+    if INTERPRET or not torch.cuda.is_available():
+        return (0, 0)
+    return torch.cuda.get_device_capability(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Wrapper: validate, allocate, launch
+# --------------------------------------------------------------------------------------------
+def _is_power_of_two(value):
+    return isinstance(value, int) and value >= 1 and value & (value - 1) == 0
+
+
+def _require(condition, message):
+    if not condition:
+        raise ValueError(message)
+
+
+def _resolve(weight, quant_state):
+    """Accept a Linear4bit module, its Params4bit, or a packed tensor with its QuantState."""
+    module_weight = getattr(weight, "weight", None)
+    if not isinstance(weight, torch.Tensor) and isinstance(module_weight, torch.Tensor):
+        weight = module_weight
+    if quant_state is None:
+        quant_state = getattr(weight, "quant_state", None)
+        if quant_state is None:
+            raise ValueError("dequantize_nf4: no quant_state given and the weight carries none")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"dequantize_nf4: weight must be a tensor, Params4bit or Linear4bit, got {type(weight).__name__}")
+    return weight, quant_state
+
+
+def _check_state(packed, qs):
+    """Validate the quant state against the packed weight; return the launch arguments."""
+    for field in ("absmax", "shape", "dtype", "blocksize", "quant_type", "code"):
+        _require(hasattr(qs, field), f"dequantize_nf4: quant_state has no '{field}' (not a bitsandbytes 4-bit QuantState?)")
+    _require(qs.quant_type in ("nf4", "fp4"), f"dequantize_nf4: quant_type must be 'nf4' or 'fp4', got {qs.quant_type!r}")
+    _require(qs.dtype in OUTPUT_DTYPES, f"dequantize_nf4: output dtype must be float16, bfloat16 or float32, got {qs.dtype}")
+    _require(_is_power_of_two(qs.blocksize) and qs.blocksize >= 2,
+             f"dequantize_nf4: blocksize must be a power of two >= 2, got {qs.blocksize}")
+    _require(packed.is_contiguous(), "dequantize_nf4: packed weight must be contiguous (call .contiguous() first)")
+
+    device = packed.device
+    n_elements = 1
+    for dim in qs.shape:
+        n_elements *= int(dim)
+    n_blocks = -(-n_elements // qs.blocksize)
+    n_bytes = packed.numel() * packed.element_size()
+    _require(n_bytes >= (n_elements + 1) // 2,
+             f"dequantize_nf4: packed weight has {n_bytes} bytes, shape {tuple(qs.shape)} needs {(n_elements + 1) // 2}")
+
+    def tensor(name, value, dtype, min_numel):
+        _require(isinstance(value, torch.Tensor), f"dequantize_nf4: {name} must be a tensor")
+        _require(value.device == device,
+                 f"dequantize_nf4: {name} is on {value.device} but the packed weight is on {device}")
+        _require(value.dtype == dtype, f"dequantize_nf4: {name} must be {dtype}, got {value.dtype}")
+        _require(value.is_contiguous(), f"dequantize_nf4: {name} must be contiguous")
+        _require(value.numel() >= min_numel,
+                 f"dequantize_nf4: {name} has {value.numel()} elements, needs at least {min_numel}")
+        return value
+
+    code = tensor("code", qs.code, torch.float32, 16)
+    nested = bool(getattr(qs, "nested", False))
+    if nested:
+        state2 = getattr(qs, "state2", None)
+        _require(state2 is not None and hasattr(state2, "absmax") and hasattr(state2, "code"),
+                 "dequantize_nf4: nested quant_state has no state2 with absmax and code")
+        _require(_is_power_of_two(state2.blocksize),
+                 f"dequantize_nf4: state2 blocksize must be a power of two, got {state2.blocksize}")
+        absmax = tensor("absmax", qs.absmax, torch.uint8, n_blocks)
+        absmax2 = tensor("state2.absmax", state2.absmax, torch.float32, -(-n_blocks // state2.blocksize))
+        code2 = tensor("state2.code", state2.code, torch.float32, 256)
+        offset = qs.offset
+        if not isinstance(offset, torch.Tensor):
+            _require(offset is not None, "dequantize_nf4: nested quant_state has no offset")
+            offset = torch.tensor([float(offset)], dtype=torch.float32, device=device)
+        offset = tensor("offset", offset.reshape(1), torch.float32, 1)
+        blocksize2 = state2.blocksize
+    else:
+        absmax = tensor("absmax", qs.absmax, torch.float32, n_blocks)
+        absmax2 = code2 = offset = absmax  # unused by the kernel when NESTED is False
+        blocksize2 = 1
+    return n_elements, nested, blocksize2, (absmax, code, absmax2, code2, offset)
+
+
+def dequantize_nf4(weight, quant_state=None, *, out=None):
+    """Dequantize a bitsandbytes 4-bit weight with one fused Triton launch.
+
+    ``weight``: a ``bitsandbytes.nn.Linear4bit``, its ``Params4bit``, or the packed tensor with
+    its ``QuantState``. Returns ``quant_state.shape`` in ``quant_state.dtype`` with exactly the
+    values of ``bitsandbytes.functional.dequantize_4bit``, transposed like it when the packed
+    weight has ``shape[0] == 1``. ``out`` is a contiguous buffer of that shape, dtype and device.
+    """
+    return _dequantize(weight, quant_state, out)
+
+
+def _dequantize(weight, quant_state, out, **overrides):
+    """``dequantize_nf4`` with kernel constexprs overridden (tests force each variant)."""
+    weight, qs = _resolve(weight, quant_state)
+    packed = weight.data if isinstance(weight, torch.nn.Parameter) else weight
+    if packed.device.type == "cpu" and not INTERPRET:
+        raise ValueError("dequantize_nf4: CPU tensors need Triton's interpreter "
+                         "(set TRITON_INTERPRET=1 before triton is imported)")
+    if packed.device.type != "cpu" and INTERPRET:
+        raise ValueError(f"dequantize_nf4: the Triton interpreter runs on CPU tensors, got {packed.device}")
+    n_elements, nested, blocksize2, tables = _check_state(packed, qs)
+    shape = torch.Size(qs.shape)
+
+    if out is None:
+        out = torch.empty(shape, dtype=qs.dtype, device=packed.device)
+    else:
+        _require(isinstance(out, torch.Tensor), "dequantize_nf4: out must be a tensor")
+        _require(out.shape == shape, f"dequantize_nf4: out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+        _require(out.dtype == qs.dtype, f"dequantize_nf4: out has dtype {out.dtype}, expected {qs.dtype}")
+        _require(out.device == packed.device,
+                 f"dequantize_nf4: out is on {out.device} but the packed weight is on {packed.device}")
+        _require(out.is_contiguous(), "dequantize_nf4: out must be contiguous")
+
+    if n_elements > 0:
+        _launch(packed.view(torch.uint8), tables, out, n_elements, qs.blocksize, blocksize2, nested, **overrides)
+    if packed.dim() > 0 and packed.shape[0] == 1 and out.dim() == 2:
+        return out.t()
+    return out
+
+
+def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, **overrides):
+    absmax, code, absmax2, code2, offset = tables
+    variant = kernel_variant(out.dtype, nested=nested, blocksize=blocksize, blocksize2=blocksize2,
+                             use_int64=n_elements > _INT32_MAX - 2 * BYTES_PER_PROGRAM,
+                             capability=_capability(out.device))
+    variant.update(overrides)
+    n_bytes = (n_elements + 1) // 2
+    grid = (triton.cdiv(n_bytes, variant["BYTES_PER_PROGRAM"]),)
+    options = {} if INTERPRET else compile_options(variant["USE_ASM"])
+    with torch.cuda.device(out.device) if out.is_cuda else _nullcontext():
+        _dequantize_4bit_kernel[grid](
+            packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes,
+            num_warps=NUM_WARPS, **variant, **options,
+        )
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# The challenge's entry points
+# --------------------------------------------------------------------------------------------
+def _your_dequantize_nf4(weight, quant_state):
+    return dequantize_nf4(weight, quant_state)
+
+
+def your_dequantize_nf4(layer):
+    return _your_dequantize_nf4(layer.weight.data, layer.weight.quant_state)

@@ -1,0 +1,83 @@
+"""Compile every kernel variant the wrapper can launch for one GPU target, without a GPU.
+
+Run as ``python tests/aot_compile.py CC``. Prints one JSON line per variant with the PTX facts the
+tests check. Runs in its own process with TRITON_INTERPRET=0 so that ``kernel.py`` defines
+compiled (not interpreted) kernels even on a machine without CUDA.
+"""
+
+import itertools
+import json
+import os
+import re
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+import kernel  # noqa: E402
+
+POINTERS = {
+    "packed_ptr": "*u8",
+    "code_ptr": "*fp32",
+    "code2_ptr": "*fp32",
+    "absmax2_ptr": "*fp32",
+    "offset_ptr": "*fp32",
+}
+OUT_POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+
+
+def variants(capability):
+    """Every combination the wrapper can launch on a GPU of this capability."""
+    for out_dtype, nested, use_asm, use_int64 in itertools.product(
+        kernel.OUTPUT_DTYPES, (True, False), (True, False), (False, True)
+    ):
+        yield out_dtype, nested, use_asm, use_int64, kernel.kernel_variant(
+            out_dtype, nested=nested, use_int64=use_int64, use_asm=use_asm, capability=capability
+        )
+
+
+def compile_variant(capability, out_dtype, nested, constexprs):
+    fn = kernel._dequantize_4bit_kernel
+    signature = dict(POINTERS)
+    signature["absmax_ptr"] = "*u8" if nested else "*fp32"
+    signature["out_ptr"] = OUT_POINTER[out_dtype]
+    signature["n_elements"] = signature["n_bytes"] = "i64" if constexprs["USE_INT64"] else "i32"
+    for name in constexprs:
+        signature[name] = "constexpr"
+    signature = {name: signature[name] for name in fn.arg_names}
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    options = {"num_warps": kernel.NUM_WARPS, **kernel.compile_options(constexprs["USE_ASM"])}
+    return triton.compile(source, target=target, options=options)
+
+
+def main():
+    cc = int(sys.argv[1])
+    capability = (cc // 10, cc % 10)
+    for out_dtype, nested, use_asm, use_int64, constexprs in variants(capability):
+        compiled = compile_variant(capability, out_dtype, nested, constexprs)
+        ptx = compiled.asm["ptx"]
+        asm_blocks = re.findall(r"begin inline asm(.*?)end inline asm", ptx, re.S)
+        print(json.dumps({
+            "cc": cc,
+            "out_dtype": str(out_dtype),
+            "nested": nested,
+            "use_asm": use_asm,
+            "use_int64": use_int64,
+            "bf16_via_int": constexprs["BF16_VIA_INT"],
+            "cubin_bytes": len(compiled.asm["cubin"]),
+            "asm_mul_rn": sum("mul.rn.f32" in block for block in asm_blocks),
+            "asm_add_rn": sum("add.rn.f32" in block for block in asm_blocks),
+            "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)),
+            "evict_first_loads": len(re.findall(r"ld\.global[.\w:]*evict_first", ptx)),
+            "evict_last_loads": len(re.findall(r"ld\.global[.\w:]*evict_last", ptx)),
+            "evict_first_stores": len(re.findall(r"st\.global[.\w:]*evict_first", ptx)),
+        }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def device():
+    """Where the kernel runs: the GPU when there is one, else CPU tensors through the interpreter."""
+    return "cuda" if HAS_CUDA else "cpu"

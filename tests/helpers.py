@@ -1,0 +1,80 @@
+"""Shared test plumbing: quantized weights made by bitsandbytes, and the bit-exact check."""
+
+import copy
+
+import torch
+
+
+def quantize(shape, *, dtype=torch.float16, nested=True, blocksize=64, quant_type="nf4",
+             storage=torch.uint8, device="cpu", seed=0):
+    """A random weight quantized by bitsandbytes; returns (packed, quant_state).
+
+    Rows get scales spread over six orders of magnitude, so that absmax and absmax2 vary.
+    """
+    import bitsandbytes.functional as F
+
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(shape, generator=generator)
+    if weight.dim() >= 1 and weight.numel() > 0:
+        row_scale = 10.0 ** (torch.rand(weight.shape[0], generator=generator) * 6 - 4)
+        weight = weight * row_scale.reshape(-1, *([1] * (weight.dim() - 1)))
+    packed, state = F.quantize_4bit(weight.to(device), blocksize=blocksize, compress_statistics=nested,
+                                    quant_type=quant_type, quant_storage=storage)
+    state.dtype = dtype
+    return packed, state
+
+
+def bnb_dequantize(packed, state):
+    """bitsandbytes' own dequantization: its CUDA kernel on the GPU, its pure-PyTorch path on the CPU.
+
+    On the CPU, ``dequantize_4bit`` dispatches to a native kernel that, in bitsandbytes 0.50.2,
+    disagrees with the CUDA kernel and with bitsandbytes' PyTorch path when a row is not a multiple
+    of the blocksize (16 x 96, blocksize 64: 1067 of 1536 elements differ), so the CPU comparison
+    goes through the PyTorch path (``backends.default``), which computes the flat format as CUDA does.
+    """
+    import bitsandbytes.functional as F
+
+    if packed.is_cuda:
+        return F.dequantize_4bit(packed, state)
+    from bitsandbytes.backends.default import ops as default_ops
+
+    absmax = state.absmax
+    if state.nested:
+        absmax = F.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    code = F.get_4bit_type(state.quant_type, device=packed.device)
+    out = default_ops._dequantize_4bit_compute(packed.view(torch.uint8).reshape(-1), absmax.float(), code,
+                                               state.blocksize, state.shape, state.dtype)
+    return out.t() if packed.shape[0] == 1 else out
+
+
+def bit_exact(actual, expected):
+    """Same shape, strides, dtype and bits (NaN payloads included)."""
+    if actual.shape != expected.shape or actual.dtype != expected.dtype or actual.stride() != expected.stride():
+        return False
+    int_type = {2: torch.int16, 4: torch.int32}[actual.element_size()]
+    return torch.equal(actual.contiguous().view(int_type), expected.contiguous().view(int_type))
+
+
+def assert_bit_exact(actual, expected):
+    assert bit_exact(actual, expected), (
+        f"not bit-exact: shape {tuple(actual.shape)} vs {tuple(expected.shape)}, dtype {actual.dtype} vs "
+        f"{expected.dtype}, max abs diff "
+        f"{(actual.float() - expected.float()).abs().max().item() if actual.shape == expected.shape else 'n/a'}"
+    )
+
+
+def snapshot(packed, state):
+    """Deep copies of everything a call could modify."""
+    return packed.clone(), copy.deepcopy(state.as_dict(packed=True))
+
+
+def assert_unchanged(packed, state, before):
+    packed_before, state_before = before
+    assert torch.equal(packed.view(torch.uint8), packed_before.view(torch.uint8)), "the packed weight was modified"
+    after = state.as_dict(packed=True)
+    assert after.keys() == state_before.keys()
+    for key, value in state_before.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(after[key], value), f"quant_state {key} was modified"
+        else:
+            assert after[key] == value, f"quant_state {key} was modified"

@@ -1,0 +1,43 @@
+"""A plain-torch reference of the bitsandbytes 4-bit format, and known-bad variants of it.
+
+The reference is the format written out (see ``kernel.py``); the known-bad variants each carry one
+classic mistake. The tests run them through the same bit-exact check as the kernel and require
+that the check rejects every one: proof that the check can fail.
+"""
+
+import functools
+import math
+
+import torch
+
+
+def dequantize_reference(packed, quant_state, *, swap_nibbles=False, drop_offset=False, absmax2_shift=0):
+    """Dequantize on the CPU in fp32, one rounding per operation, then one cast."""
+    qs = quant_state
+    n = math.prod(qs.shape)
+    data = packed.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    high, low = (data >> 4).long(), (data & 0xF).long()
+    if swap_nibbles:
+        high, low = low, high
+    nibbles = torch.stack([high, low], dim=1).reshape(-1)[:n]
+    n_blocks = -(-n // qs.blocksize)
+    if qs.nested:
+        absmax2_index = torch.arange(n_blocks) // qs.state2.blocksize + absmax2_shift
+        absmax2_index = absmax2_index.clamp(0, qs.state2.absmax.numel() - 1)
+        scale = qs.state2.code.cpu()[qs.absmax.cpu().long()] * qs.state2.absmax.cpu()[absmax2_index]
+        if not drop_offset:
+            scale = scale + qs.offset.cpu().float()
+    else:
+        scale = qs.absmax.cpu().float()
+    values = qs.code.cpu()[nibbles] * scale[torch.arange(n) // qs.blocksize]
+    out = values.to(qs.dtype).reshape(qs.shape)
+    if packed.shape[0] == 1 and out.dim() == 2:
+        out = out.t()
+    return out.to(packed.device)
+
+
+KNOWN_BAD = {
+    "nibble order swapped": functools.partial(dequantize_reference, swap_nibbles=True),
+    "offset dropped": functools.partial(dequantize_reference, drop_offset=True),
+    "absmax2 index off by one": functools.partial(dequantize_reference, absmax2_shift=1),
+}

@@ -1,0 +1,146 @@
+"""GPU-only checks: every kernel variant, more than 2**31 elements, and the challenge's own check."""
+
+import math
+
+import pytest
+import torch
+
+import kernel
+from helpers import assert_bit_exact, bnb_dequantize, quantize
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("bf16_via_int", [False, True], ids=["native-cvt", "int-rne"])
+@pytest.mark.parametrize("use_asm", [True, False], ids=["asm", "pure-triton"])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 100), (17, 129), (1024, 4096 + 64)], ids=str)
+def test_every_variant(shape, dtype, nested, quant_type, use_asm, bf16_via_int):
+    """The inline-PTX and pure-Triton paths, and both bf16 roundings, give bitsandbytes' bits."""
+    packed, state = quantize(shape, dtype=dtype, nested=nested, quant_type=quant_type, device="cuda",
+                             seed=shape[0])
+    got = kernel._dequantize(packed, state, None, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int)
+    assert_bit_exact(got, bnb_dequantize(packed, state))
+
+
+def synthetic_state(n_elements, dtype, seed=0):
+    """A valid nested NF4 state built directly (bitsandbytes' quantizer is not needed for it)."""
+    import bitsandbytes.functional as F
+
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    n_blocks = -(-n_elements // 64)
+    packed = torch.randint(0, 256, ((n_elements + 1) // 2, 1), dtype=torch.uint8, device="cuda", generator=generator)
+    absmax = torch.randint(0, 256, (n_blocks,), dtype=torch.uint8, device="cuda", generator=generator)
+    absmax2 = torch.rand(-(-n_blocks // 256), device="cuda", generator=generator) * 0.1
+    state2 = F.QuantState(absmax=absmax2, code=F.create_dynamic_map().cuda(), blocksize=256, dtype=torch.float32)
+    return packed, F.QuantState(absmax=absmax, shape=torch.Size([n_elements]), code=F.get_4bit_type("nf4", device="cuda"),
+                                blocksize=64, quant_type="nf4", dtype=dtype, offset=torch.tensor(0.0123, device="cuda"),
+                                state2=state2)
+
+
+def sub_state(packed, state, start, count):
+    """Elements [start, start + count) as a weight of their own (start aligned to 64 * 256)."""
+    import bitsandbytes.functional as F
+
+    assert start % (state.blocksize * state.state2.blocksize) == 0
+    block, block2 = start // state.blocksize, start // (state.blocksize * state.state2.blocksize)
+    n_blocks = -(-count // state.blocksize)
+    state2 = F.QuantState(absmax=state.state2.absmax[block2:block2 + -(-n_blocks // 256)], code=state.state2.code,
+                          blocksize=256, dtype=torch.float32)
+    part = F.QuantState(absmax=state.absmax[block:block + n_blocks], shape=torch.Size([count]), code=state.code,
+                        blocksize=64, quant_type="nf4", dtype=state.dtype, offset=state.offset, state2=state2)
+    return packed[start // 2:(start + count + 1) // 2], part
+
+
+def test_more_than_2_pow_31_elements():
+    n_elements = 2**31 + 192
+    packed, state = synthetic_state(n_elements, torch.float16)
+    got = torch.full((n_elements,), float("nan"), dtype=torch.float16, device="cuda")
+    kernel.dequantize_nf4(packed, state, out=got)
+    chunk = 2**30
+    for start in range(0, n_elements, chunk):
+        count = min(chunk, n_elements - start)
+        part_packed, part_state = sub_state(packed, state, start, count)
+        assert_bit_exact(got[start:start + count], bnb_dequantize(part_packed, part_state))
+    assert not got.isnan().any()
+
+
+def test_caller_stream():
+    """The kernel runs on the current stream, right after the packed weight was written there."""
+    packed, state = quantize((512, 1024), device="cuda", seed=11)
+    expected = bnb_dequantize(packed, state)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fresh = torch.empty_like(packed)
+        torch.cuda._sleep(10_000_000)
+        fresh.copy_(packed)
+        got = kernel.dequantize_nf4(fresh, state)
+    stream.synchronize()
+    assert_bit_exact(got, expected)
+
+
+# ---- the challenge's check (challenge.md), without its timing -----------------------------------
+HARNESS_OPTIONS = [
+    (2, 3333, 2048, 8192, 3407, torch.float16),
+    (5, 777, 1024, 4096, 3409, torch.bfloat16),
+    (3, 2048, 4096, 14336, 3408, torch.bfloat16),
+]
+
+
+def unsloth_fast_dequantize():
+    try:
+        from unsloth.kernels.utils import fast_dequantize
+    except Exception:  # unsloth is optional; without it the Unsloth comparison is skipped
+        return None
+    return fast_dequantize
+
+
+def make_mlp(hd, m, dtype):
+    import bitsandbytes as bnb
+
+    def linear(fan_in, fan_out):
+        return bnb.nn.Linear4bit(fan_in, fan_out, bias=None, compute_dtype=dtype, compress_statistics=True,
+                                 quant_type="nf4")
+
+    mlp = torch.nn.ModuleDict({"gate_proj": linear(hd, m), "up_proj": linear(hd, m), "down_proj": linear(m, hd)}).cuda()
+    for layer in mlp.values():
+        layer.weight.quant_state.dtype = dtype
+    return mlp
+
+
+def mlp_forward(mlp, X, fx):
+    up = X @ fx(mlp["up_proj"]).t()
+    gate = X @ fx(mlp["gate_proj"]).t()
+    h = torch.nn.functional.silu(gate) * up
+    return h @ fx(mlp["down_proj"]).t()
+
+
+@pytest.mark.parametrize("option", HARNESS_OPTIONS, ids=lambda o: f"{o[2]}x{o[3]}-{o[5]}")
+def test_challenge_check(option):
+    transformers = pytest.importorskip("transformers")
+    bsz, qlen, hd, m, seed, dtype = option
+    transformers.set_seed(seed)
+    torch.set_default_dtype(torch.float32)
+    mlp = make_mlp(hd, m, dtype)
+    X = torch.randn((bsz, qlen, hd), device="cuda", dtype=dtype)
+    fast_dequantize = unsloth_fast_dequantize()
+    for _ in range(2):
+        expected = mlp["down_proj"](torch.nn.functional.silu(mlp["gate_proj"](X)) * mlp["up_proj"](X))
+        got = mlp_forward(mlp, X, kernel.your_dequantize_nf4)
+        torch.testing.assert_close(got, expected, check_stride=True)
+        assert got.dtype == dtype
+        for layer in mlp.values():
+            state = layer.weight.quant_state
+            assert layer.weight.dtype == torch.uint8 and state.absmax.dtype == torch.uint8
+            assert state.code.dtype == torch.float32 and state.offset.dtype == torch.float32
+            assert state.blocksize == 64 and state.state2.blocksize == 256
+            assert state.state2.absmax.dtype == torch.float32 and state.state2.code.dtype == torch.float32
+            ours = kernel.your_dequantize_nf4(layer)
+            assert_bit_exact(ours, bnb_dequantize(layer.weight.data, state))
+            if fast_dequantize is not None:
+                assert torch.equal(ours.t(), fast_dequantize(layer.weight, state).t())
+    assert math.isfinite(got.float().abs().max().item())

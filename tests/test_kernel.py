@@ -1,0 +1,111 @@
+"""Bit-exactness with bitsandbytes: on the GPU when there is one, else through the interpreter.
+
+Small, odd shapes; the benchmark shapes live in the benchmark. Every case also checks that the
+packed weight and the quant state are left untouched.
+"""
+
+import pytest
+import torch
+
+import kernel
+from helpers import assert_bit_exact, assert_unchanged, bit_exact, bnb_dequantize, quantize, snapshot
+from reference import KNOWN_BAD, dequantize_reference
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+SHAPES = [(1, 64), (3, 100), (17, 129), (64, 4096), (7,), (2, 3, 40)]
+
+
+def check(packed, state):
+    """The check every implementation must pass: bit-exact with bitsandbytes and the reference."""
+    before = snapshot(packed, state)
+    got = kernel.dequantize_nf4(packed, state)
+    assert_unchanged(packed, state, before)
+    assert_bit_exact(got, bnb_dequantize(packed, state))
+    assert_bit_exact(got, dequantize_reference(packed, state))
+    return got
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_shapes(shape, dtype, nested, device):
+    packed, state = quantize(shape, dtype=dtype, nested=nested, device=device, seed=len(shape) + shape[0])
+    check(packed, state)
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
+@pytest.mark.parametrize("blocksize", [32, 64, 128, 256, 512, 1024, 2048, 4096])
+def test_blocksizes(blocksize, nested, device):
+    packed, state = quantize((33, 257), blocksize=blocksize, nested=nested, device=device, seed=blocksize)
+    check(packed, state)
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp4(dtype, nested, device):
+    packed, state = quantize((17, 129), dtype=dtype, nested=nested, quant_type="fp4", device=device, seed=4)
+    check(packed, state)
+
+
+@pytest.mark.parametrize("storage", [torch.uint8, torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_quant_storage(storage, device):
+    packed, state = quantize((16, 96), dtype=torch.bfloat16, storage=storage, device=device, seed=5)
+    assert packed.dtype == storage
+    check(packed, state)
+
+
+def test_many_absmax2_blocks(device):
+    # 300 x 220 elements: 1032 absmax blocks, so five absmax2 values.
+    packed, state = quantize((300, 220), device=device, seed=6)
+    check(packed, state)
+
+
+def test_transposed_packed(device):
+    packed, state = quantize((4, 6), device=device, seed=7)
+    flat = packed.reshape(1, -1)  # Unsloth's shape[0] == 1 layout: the result comes back transposed
+    got = kernel.dequantize_nf4(flat, state)
+    assert got.shape == (6, 4) and not got.is_contiguous()
+    assert_bit_exact(got, bnb_dequantize(flat, state))
+
+
+def test_out_buffer(device):
+    packed, state = quantize((17, 129), dtype=torch.bfloat16, device=device, seed=8)
+    out = torch.full(tuple(state.shape), float("nan"), dtype=state.dtype, device=device)
+    got = kernel.dequantize_nf4(packed, state, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert_bit_exact(out, bnb_dequantize(packed, state))
+
+
+def test_every_element_written(device):
+    packed, state = quantize((3, 101), dtype=torch.float16, device=device, seed=9)
+    out = torch.full(tuple(state.shape), float("nan"), dtype=state.dtype, device=device)
+    kernel.dequantize_nf4(packed, state, out=out)
+    assert not out.isnan().any()
+
+
+def test_empty(device):
+    packed, state = quantize((0, 64), device=device)
+    assert kernel.dequantize_nf4(packed, state).shape == (0, 64)
+
+
+def test_module_and_params(device):
+    bnb = pytest.importorskip("bitsandbytes")
+    if device == "cpu":
+        pytest.skip("Linear4bit quantizes when moved to CUDA")
+    layer = bnb.nn.Linear4bit(128, 96, bias=None, compute_dtype=torch.float16, compress_statistics=True,
+                              quant_type="nf4").to(device)
+    layer.weight.quant_state.dtype = torch.float16
+    expected = bnb_dequantize(layer.weight.data, layer.weight.quant_state)
+    for got in (kernel.dequantize_nf4(layer), kernel.dequantize_nf4(layer.weight),
+                kernel.your_dequantize_nf4(layer),
+                kernel._your_dequantize_nf4(layer.weight.data, layer.weight.quant_state)):
+        assert_bit_exact(got, expected)
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_BAD))
+def test_known_bad_is_rejected(name, device):
+    """Each known-bad variant must fail the same bit-exact check the kernel passes."""
+    packed, state = quantize((300, 220), device=device, seed=10)
+    expected = bnb_dequantize(packed, state)
+    assert bit_exact(dequantize_reference(packed, state), expected)
+    assert not bit_exact(KNOWN_BAD[name](packed, state), expected)
