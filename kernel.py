@@ -95,6 +95,7 @@ def _dequantize_4bit_kernel(
     BLOCKSIZE: tl.constexpr,  # elements per absmax (power of two >= 2)
     BLOCKSIZE2: tl.constexpr,  # absmax values per absmax2 (NESTED only)
     NESTED: tl.constexpr,  # absmax itself is 8-bit quantized (compress_statistics=True)
+    FP4: tl.constexpr,  # codes >= 8 carry the sign bit (quant_type="fp4")
     OUT_DTYPE: tl.constexpr,  # tl.float16, tl.bfloat16 or tl.float32
     # implementation
     BYTES_PER_PROGRAM: tl.constexpr,  # packed bytes per program (power of two)
@@ -136,6 +137,12 @@ def _dequantize_4bit_kernel(
 
     high = tl.load(code_ptr + (packed >> 4).to(tl.int32), eviction_policy="evict_last")
     low = tl.load(code_ptr + (packed & 0xF).to(tl.int32), eviction_policy="evict_last")
+    if FP4:
+        # bitsandbytes' CUDA kernel forms an FP4 value as sign * magnitude, so code 8 decodes to
+        # -0.0 where the table holds +0.0: set the sign bit from the nibble's top bit.
+        bits = packed.to(tl.uint32)
+        high = (high.to(tl.uint32, bitcast=True) | ((bits >> 7) << 31)).to(tl.float32, bitcast=True)
+        low = (low.to(tl.uint32, bitcast=True) | (((bits >> 3) & 1) << 31)).to(tl.float32, bitcast=True)
     high = _mul_rn(high, scale, USE_ASM)
     low = _mul_rn(low, scale, USE_ASM)
     values = tl.join(high, low).reshape(ROWS, 2 * COLS)  # element 2j is byte j's high nibble
@@ -157,7 +164,7 @@ BYTES_PER_PROGRAM = 1024
 NUM_WARPS = 4
 
 
-def kernel_variant(out_dtype, *, nested, blocksize=64, blocksize2=256, use_int64=False,
+def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256, use_int64=False,
                    use_asm=None, bf16_via_int=None, capability=None):
     """The constexpr arguments of one kernel variant (also used by the AOT compile test)."""
     if capability is None:
@@ -170,6 +177,7 @@ def kernel_variant(out_dtype, *, nested, blocksize=64, blocksize2=256, use_int64
         BLOCKSIZE=blocksize,
         BLOCKSIZE2=blocksize2 if nested else 1,
         NESTED=nested,
+        FP4=fp4,
         OUT_DTYPE=_TL_DTYPE[out_dtype],
         BYTES_PER_PROGRAM=BYTES_PER_PROGRAM,
         USE_INT64=use_int64,
@@ -306,15 +314,17 @@ def _dequantize(weight, quant_state, out, **overrides):
         _require(out.is_contiguous(), "dequantize_nf4: out must be contiguous")
 
     if n_elements > 0:
-        _launch(packed.view(torch.uint8), tables, out, n_elements, qs.blocksize, blocksize2, nested, **overrides)
+        _launch(packed.view(torch.uint8), tables, out, n_elements, qs.blocksize, blocksize2, nested,
+                qs.quant_type == "fp4", **overrides)
     if packed.dim() > 0 and packed.shape[0] == 1 and out.dim() == 2:
         return out.t()
     return out
 
 
-def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, **overrides):
+def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4, **overrides):
     absmax, code, absmax2, code2, offset = tables
-    variant = kernel_variant(out.dtype, nested=nested, blocksize=blocksize, blocksize2=blocksize2,
+    num_warps = overrides.pop("num_warps", NUM_WARPS)
+    variant = kernel_variant(out.dtype, nested=nested, fp4=fp4, blocksize=blocksize, blocksize2=blocksize2,
                              use_int64=n_elements > _INT32_MAX - 2 * BYTES_PER_PROGRAM,
                              capability=_capability(out.device))
     variant.update(overrides)
@@ -324,7 +334,7 @@ def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, **ov
     with torch.cuda.device(out.device) if out.is_cuda else _nullcontext():
         _dequantize_4bit_kernel[grid](
             packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes,
-            num_warps=NUM_WARPS, **variant, **options,
+            num_warps=num_warps, **variant, **options,
         )
 
 

@@ -32,11 +32,11 @@ OUT_POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "
 
 def variants(capability):
     """Every combination the wrapper can launch on a GPU of this capability."""
-    for out_dtype, nested, use_asm, use_int64 in itertools.product(
-        kernel.OUTPUT_DTYPES, (True, False), (True, False), (False, True)
+    for out_dtype, nested, fp4, use_asm, use_int64 in itertools.product(
+        kernel.OUTPUT_DTYPES, (True, False), (False, True), (True, False), (False, True)
     ):
         yield out_dtype, nested, use_asm, use_int64, kernel.kernel_variant(
-            out_dtype, nested=nested, use_int64=use_int64, use_asm=use_asm, capability=capability
+            out_dtype, nested=nested, fp4=fp4, use_int64=use_int64, use_asm=use_asm, capability=capability
         )
 
 

@@ -4,6 +4,8 @@ import copy
 
 import torch
 
+from reference import fp4_signed
+
 
 def quantize(shape, *, dtype=torch.float16, nested=True, blocksize=64, quant_type="nf4",
              storage=torch.uint8, device="cpu", seed=0):
@@ -30,7 +32,8 @@ def bnb_dequantize(packed, state):
     On the CPU, ``dequantize_4bit`` dispatches to a native kernel that, in bitsandbytes 0.50.2,
     disagrees with the CUDA kernel and with bitsandbytes' PyTorch path when a row is not a multiple
     of the blocksize (16 x 96, blocksize 64: 1067 of 1536 elements differ), so the CPU comparison
-    goes through the PyTorch path (``backends.default``), which computes the flat format as CUDA does.
+    goes through the PyTorch path (``backends.default``), which computes the flat format as CUDA does,
+    with the CUDA kernel's -0.0 for FP4 code 8.
     """
     import bitsandbytes.functional as F
 
@@ -42,6 +45,8 @@ def bnb_dequantize(packed, state):
     if state.nested:
         absmax = F.dequantize_blockwise(state.absmax, state.state2) + state.offset
     code = F.get_4bit_type(state.quant_type, device=packed.device)
+    if state.quant_type == "fp4":  # the CUDA kernel's signed zero for code 8 (see reference.py)
+        code = fp4_signed(code, torch.arange(16))
     out = default_ops._dequantize_4bit_compute(packed.view(torch.uint8).reshape(-1), absmax.float(), code,
                                                state.blocksize, state.shape, state.dtype)
     return out.t() if packed.shape[0] == 1 else out

@@ -29,11 +29,19 @@ def dequantize_reference(packed, quant_state, *, swap_nibbles=False, drop_offset
             scale = scale + qs.offset.cpu().float()
     else:
         scale = qs.absmax.cpu().float()
-    values = qs.code.cpu()[nibbles] * scale[torch.arange(n) // qs.blocksize]
+    code = qs.code.cpu()[nibbles]
+    if qs.quant_type == "fp4":
+        code = fp4_signed(code, nibbles)
+    values = code * scale[torch.arange(n) // qs.blocksize]
     out = values.to(qs.dtype).reshape(qs.shape)
     if packed.shape[0] == 1 and out.dim() == 2:
         out = out.t()
     return out.to(packed.device)
+
+
+def fp4_signed(values, nibbles):
+    """bitsandbytes' CUDA kernel forms FP4 as sign * magnitude: code 8 is -0.0, the table's is +0.0."""
+    return torch.where(nibbles >= 8, -values.abs(), values)
 
 
 KNOWN_BAD = {

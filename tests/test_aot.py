@@ -22,7 +22,7 @@ def compiled(request):
                             capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 3 * 2 * 2 * 2, result.stdout
+    assert len(rows) == 3 * 2 * 2 * 2 * 2, result.stdout
     return request.param, rows
 
 

@@ -1,0 +1,186 @@
+"""Benchmark: this kernel against bitsandbytes and Unsloth, the copy roofline, a launch sweep.
+
+    python bench.py [--quick] [--dtype fp16|bf16|all] [--out results/] [--rounds N]
+
+Kernel times are ``triton.testing.do_bench`` medians (L2 flushed between runs), taken in rounds
+that interleave the contenders; the reported median is the median over rounds, p20/p80 the
+spread over rounds. Bandwidth counts n/2 packed + n/64 absmax + the output bytes.
+Without a GPU it says so and runs a small correctness demo through the interpreter.
+"""
+
+import argparse
+import csv
+import datetime
+import os
+import platform
+import statistics
+
+import torch
+
+import kernel
+
+SHAPES = [(4096, 1024), (1024, 4096), (8192, 2048), (2048, 8192), (14336, 4096), (4096, 14336), (28672, 8192)]
+QUICK_SHAPES = [(4096, 1024), (14336, 4096), (28672, 8192)]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def versions():
+    import triton
+
+    found = {"torch": torch.__version__, "triton": triton.__version__}
+    for name in ("bitsandbytes", "unsloth"):
+        try:
+            found[name] = __import__(name).__version__
+        except Exception as error:  # optional contenders: missing or failing on import
+            found[name] = f"unavailable ({type(error).__name__})"
+    return found
+
+
+def contenders():
+    """name -> fn(packed, state); a missing package drops its contenders with one line."""
+    import bitsandbytes.functional as F
+
+    found = {"nf4-triton": kernel.dequantize_nf4, "bitsandbytes": F.dequantize_4bit}
+    try:
+        from unsloth.kernels import utils as unsloth_utils
+
+        found["unsloth-fused"] = unsloth_utils.fast_dequantize
+        two_launch = getattr(unsloth_utils, "_fast_dequantize_ctypes", None)
+        if two_launch is not None:
+            found["unsloth-2025"] = two_launch
+        else:
+            print("unsloth: no _fast_dequantize_ctypes, the 2025 path is skipped")
+    except Exception as error:
+        print(f"unsloth: skipped ({type(error).__name__}: {error})")
+    return found
+
+
+def make_weight(shape, dtype, seed=0):
+    import bitsandbytes.functional as F
+
+    torch.manual_seed(seed)
+    weight = torch.randn(shape, device="cuda", dtype=torch.float16)
+    packed, state = F.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
+    state.dtype = dtype
+    return packed, state
+
+
+def bytes_moved(shape, dtype):
+    n = shape[0] * shape[1]
+    return n // 2 + n // 64 + n * torch.finfo(dtype).bits // 8
+
+
+def do_bench(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
+
+
+def copy_roofline():
+    """Device-to-device copy bandwidth in GB/s (bytes read + written), 1 GiB each way."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = statistics.median(do_bench(lambda: dst.copy_(src))[0] for _ in range(3))
+    return 2 * src.numel() / ms / 1e6
+
+
+def summarize(times):
+    times = sorted(times)
+    pick = lambda q: times[min(len(times) - 1, int(q * (len(times) - 1) + 0.5))]  # noqa: E731
+    return statistics.median(times), pick(0.2), pick(0.8)
+
+
+def bench_kernels(shapes, dtypes, rounds, roofline, meta, progress):
+    rows = []
+    funcs = contenders()
+    for dtype_name, dtype in dtypes.items():
+        for shape in shapes:
+            packed, state = make_weight(shape, dtype)
+            expected = funcs["bitsandbytes"](packed, state)
+            assert torch.equal(kernel.dequantize_nf4(packed, state), expected), "not bit-exact"
+            samples = {name: [] for name in funcs}
+            for _ in range(rounds):
+                for name, fn in funcs.items():
+                    samples[name].append(do_bench(lambda: fn(packed, state))[0])
+            for name, times in samples.items():
+                median, p20, p80 = summarize(times)
+                gbps = bytes_moved(shape, dtype) / median / 1e6
+                rows.append(dict(meta, kind="kernel", shape=f"{shape[0]}x{shape[1]}", dtype=dtype_name,
+                                 implementation=name, median_us=median * 1e3, p20_us=p20 * 1e3,
+                                 p80_us=p80 * 1e3, gbps=gbps, pct_roofline=100 * gbps / roofline))
+            progress(f"{dtype_name} {shape}: " + ", ".join(
+                f"{r['implementation']} {r['median_us']:.1f} us ({r['pct_roofline']:.0f} %)"
+                for r in rows[-len(funcs):]))
+    return rows
+
+
+def bench_sweep(shapes, dtypes, roofline, meta, progress):
+    rows = []
+    for dtype_name, dtype in dtypes.items():
+        for shape in shapes:
+            packed, state = make_weight(shape, dtype)
+            expected = kernel.dequantize_nf4(packed, state)
+            for bytes_per_program in (256, 512, 1024, 2048, 4096):
+                for num_warps in (2, 4, 8):
+                    for use_asm in (True, False):
+                        config = dict(BYTES_PER_PROGRAM=bytes_per_program, num_warps=num_warps, USE_ASM=use_asm)
+                        fn = lambda: kernel._dequantize(packed, state, None, **config)  # noqa: E731
+                        assert torch.equal(fn(), expected)
+                        median, p20, p80 = do_bench(fn)
+                        gbps = bytes_moved(shape, dtype) / median / 1e6
+                        rows.append(dict(meta, kind="sweep", shape=f"{shape[0]}x{shape[1]}", dtype=dtype_name,
+                                         implementation=f"bpp={bytes_per_program} warps={num_warps} asm={use_asm}",
+                                         median_us=median * 1e3, p20_us=p20 * 1e3, p80_us=p80 * 1e3, gbps=gbps,
+                                         pct_roofline=100 * gbps / roofline))
+            best = min(rows[-30:], key=lambda r: r["median_us"])
+            progress(f"sweep {dtype_name} {shape}: best {best['implementation']} {best['median_us']:.1f} us")
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="three shapes, fewer rounds")
+    parser.add_argument("--dtype", choices=["fp16", "bf16", "all"], default="all")
+    parser.add_argument("--out", default="results", help="folder for CSVs (a per-GPU subfolder is made)")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--no-sweep", action="store_true")
+    args = parser.parse_args()
+
+    if not torch.cuda.is_available():
+        print("No CUDA GPU: nothing to time. Running a small correctness demo through Triton's interpreter.")
+        import sys
+
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+        from helpers import bnb_dequantize, quantize
+
+        packed, state = quantize((17, 129), dtype=torch.bfloat16)
+        print("bit-exact with bitsandbytes:", torch.equal(kernel.dequantize_nf4(packed, state), bnb_dequantize(packed, state)))
+        return
+
+    dtypes = DTYPES if args.dtype == "all" else {args.dtype: DTYPES[args.dtype]}
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    rounds = args.rounds or (3 if args.quick else 5)
+    gpu = torch.cuda.get_device_name()
+    meta = dict(gpu=gpu, timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                python=platform.python_version(), **{f"{k}_version": v for k, v in versions().items()})
+    print(meta)
+    roofline = copy_roofline()
+    print(f"device-to-device copy: {roofline:.0f} GB/s")
+    rows = [dict(meta, kind="roofline", shape="", dtype="", implementation="copy", median_us=0.0, p20_us=0.0,
+                 p80_us=0.0, gbps=roofline, pct_roofline=100.0)]
+    rows += bench_kernels(shapes, dtypes, rounds, roofline, meta, print)
+    if not args.no_sweep:
+        rows += bench_sweep(QUICK_SHAPES, dtypes, roofline, meta, print)
+
+    folder = os.path.join(args.out, "".join(c if c.isalnum() else "-" for c in gpu.lower()).strip("-"))
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "bench.csv")
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[-1].keys()))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
