@@ -20,6 +20,7 @@ Bit-exactness rests on three facts, each tested on the GPU against bitsandbytes:
 Without CUDA (CI, laptops) the same kernel runs on CPU tensors through Triton's interpreter.
 """
 
+import contextlib
 import os
 
 import torch
@@ -195,10 +196,16 @@ def _is_nvidia():
     return torch.cuda.is_available() and torch.version.hip is None
 
 
+_CAPABILITIES = {}
+
+
 def _capability(device=None):
     if INTERPRET or not torch.cuda.is_available():
         return (0, 0)
-    return torch.cuda.get_device_capability(device)
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    if index not in _CAPABILITIES:
+        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITIES[index]
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,19 +338,13 @@ def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4,
     n_bytes = (n_elements + 1) // 2
     grid = (triton.cdiv(n_bytes, variant["BYTES_PER_PROGRAM"]),)
     options = {} if INTERPRET else compile_options(variant["USE_ASM"])
-    with torch.cuda.device(out.device) if out.is_cuda else _nullcontext():
+    # Triton launches on the current device; switch only when the weight lives on another one.
+    switch = out.is_cuda and out.device.index != torch.cuda.current_device()
+    with torch.cuda.device(out.device) if switch else contextlib.nullcontext():
         _dequantize_4bit_kernel[grid](
             packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes,
             num_warps=num_warps, **variant, **options,
         )
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,8 +20,14 @@ def quantize(shape, *, dtype=torch.float16, nested=True, blocksize=64, quant_typ
     if weight.dim() >= 1 and weight.numel() > 0:
         row_scale = 10.0 ** (torch.rand(weight.shape[0], generator=generator) * 6 - 4)
         weight = weight * row_scale.reshape(-1, *([1] * (weight.dim() - 1)))
-    packed, state = F.quantize_4bit(weight.to(device), blocksize=blocksize, compress_statistics=nested,
+    # An empty weight is quantized on the CPU and moved: bitsandbytes' CUDA quantizer does not return
+    # for it (the process died in its call on an H100).
+    where = device if weight.numel() else "cpu"
+    packed, state = F.quantize_4bit(weight.to(where), blocksize=blocksize, compress_statistics=nested,
                                     quant_type=quant_type, quant_storage=storage)
+    if where != device:
+        packed = packed.to(device)
+        state.to(device)
     state.dtype = dtype
     return packed, state
 
