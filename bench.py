@@ -114,6 +114,80 @@ def bench_kernels(shapes, dtypes, rounds, roofline, meta, progress):
     return rows
 
 
+HARNESS_OPTIONS = [
+    (2, 3333, 2048, 8192, 3407, torch.float16),
+    (5, 777, 1024, 4096, 3409, torch.bfloat16),
+    (3, 2048, 4096, 14336, 3408, torch.bfloat16),
+]
+
+
+def harness_layers(hd, m, seed, dtype):
+    """The challenge's three Linear4bit layers (gate, up: hd -> m; down: m -> hd)."""
+    import bitsandbytes as bnb
+    from transformers import set_seed
+
+    set_seed(seed)
+    torch.set_default_dtype(torch.float32)
+    layers = [bnb.nn.Linear4bit(fan_in, fan_out, bias=None, compute_dtype=dtype, compress_statistics=True,
+                                quant_type="nf4").cuda() for fan_in, fan_out in ((hd, m), (hd, m), (m, hd))]
+    for layer in layers:
+        layer.weight.quant_state.dtype = dtype
+    return layers
+
+
+def harness_seconds(fx, options_layers, iterations=1000):
+    """The challenge's timing: wall clock over 1000 x (up, sync, gate, sync, down, sync), summed."""
+    import time
+
+    total = 0.0
+    for up, gate, down in options_layers:
+        torch.cuda.synchronize()
+        start = time.time()
+        for _ in range(iterations):
+            fx(up)
+            torch.cuda.synchronize()
+            fx(gate)
+            torch.cuda.synchronize()
+            fx(down)
+            torch.cuda.synchronize()
+        total += time.time() - start
+    return total
+
+
+def bench_harness(rounds, meta, progress):
+    """The challenge harness in interleaved rounds; rows hold seconds, ratios are printed."""
+    funcs = {"nf4-triton": kernel.your_dequantize_nf4}
+    try:
+        from unsloth.kernels import utils as unsloth_utils
+
+        funcs["unsloth-fused"] = lambda layer: unsloth_utils.fast_dequantize(layer.weight, layer.weight.quant_state)
+        if hasattr(unsloth_utils, "_fast_dequantize_ctypes"):
+            funcs["unsloth-2025"] = lambda layer: unsloth_utils._fast_dequantize_ctypes(
+                layer.weight, layer.weight.quant_state)
+    except Exception as error:
+        progress(f"unsloth: skipped in the harness ({type(error).__name__})")
+    options_layers = [harness_layers(hd, m, seed, dtype) for _, _, hd, m, seed, dtype in HARNESS_OPTIONS]
+    for fx in funcs.values():
+        harness_seconds(fx, options_layers, iterations=20)  # warm-up: compile, plans, clocks
+    samples = {name: [] for name in funcs}
+    for round_index in range(rounds):
+        for name, fx in funcs.items():
+            samples[name].append(harness_seconds(fx, options_layers))
+        progress(f"harness round {round_index + 1}: " + ", ".join(f"{n} {s[-1]:.3f} s" for n, s in samples.items()))
+    rows = []
+    for name, times in samples.items():
+        median, p20, p80 = summarize(times)
+        rows.append(dict(meta, kind="harness", shape="3 options", dtype="fp16+bf16", implementation=name,
+                         median_us=median * 1e6, p20_us=p20 * 1e6, p80_us=p80 * 1e6, gbps=0.0, pct_roofline=0.0))
+    ours = statistics.median(samples["nf4-triton"])
+    for name, times in samples.items():
+        if name != "nf4-triton":
+            ratios = sorted(t / o for t, o in zip(times, samples["nf4-triton"]))
+            progress(f"harness speedup vs {name}: median of medians {statistics.median(times) / ours:.2f}x, "
+                     f"per-round ratios {ratios[0]:.2f}..{ratios[-1]:.2f}")
+    return rows
+
+
 def bench_sweep(shapes, dtypes, roofline, meta, progress):
     rows = []
     for dtype_name, dtype in dtypes.items():
@@ -144,6 +218,7 @@ def main():
     parser.add_argument("--out", default="results", help="folder for CSVs (a per-GPU subfolder is made)")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--no-harness", action="store_true")
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
@@ -169,6 +244,8 @@ def main():
     rows = [dict(meta, kind="roofline", shape="", dtype="", implementation="copy", median_us=0.0, p20_us=0.0,
                  p80_us=0.0, gbps=roofline, pct_roofline=100.0)]
     rows += bench_kernels(shapes, dtypes, rounds, roofline, meta, print)
+    if not args.no_harness:
+        rows += bench_harness(rounds, meta, print)
     if not args.no_sweep:
         rows += bench_sweep(QUICK_SHAPES, dtypes, roofline, meta, print)
 

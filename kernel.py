@@ -22,6 +22,7 @@ Without CUDA (CI, laptops) the same kernel runs on CPU tensors through Triton's 
 
 import contextlib
 import os
+import weakref
 
 import torch
 
@@ -295,11 +296,16 @@ def dequantize_nf4(weight, quant_state=None, *, out=None):
     values of ``bitsandbytes.functional.dequantize_4bit``, transposed like it when the packed
     weight has ``shape[0] == 1``. ``out`` is a contiguous buffer of that shape, dtype and device.
     """
+    if out is None and quant_state is not None:
+        plan = _PLANS.get((weight.data_ptr(), id(quant_state))) if isinstance(weight, torch.Tensor) else None
+        if plan is not None and plan.matches(weight, quant_state):
+            return plan.launch()
     return _dequantize(weight, quant_state, out)
 
 
 def _dequantize(weight, quant_state, out, **overrides):
-    """``dequantize_nf4`` with kernel constexprs overridden (tests force each variant)."""
+    """The validating path: ``dequantize_nf4`` with kernel constexprs overridden (tests force each
+    variant). A call without overrides or ``out`` leaves a launch plan for the weight behind."""
     weight, qs = _resolve(weight, quant_state)
     packed = weight.data if isinstance(weight, torch.nn.Parameter) else weight
     if packed.device.type == "cpu" and not INTERPRET:
@@ -309,7 +315,9 @@ def _dequantize(weight, quant_state, out, **overrides):
         raise ValueError(f"dequantize_nf4: the Triton interpreter runs on CPU tensors, got {packed.device}")
     n_elements, nested, blocksize2, tables = _check_state(packed, qs)
     shape = torch.Size(qs.shape)
+    transpose = packed.dim() > 0 and packed.shape[0] == 1 and len(shape) == 2
 
+    plan_wanted = out is None and not overrides
     if out is None:
         out = torch.empty(shape, dtype=qs.dtype, device=packed.device)
     else:
@@ -321,14 +329,15 @@ def _dequantize(weight, quant_state, out, **overrides):
         _require(out.is_contiguous(), "dequantize_nf4: out must be contiguous")
 
     if n_elements > 0:
-        _launch(packed.view(torch.uint8), tables, out, n_elements, qs.blocksize, blocksize2, nested,
-                qs.quant_type == "fp4", **overrides)
-    if packed.dim() > 0 and packed.shape[0] == 1 and out.dim() == 2:
-        return out.t()
-    return out
+        launch = _launch(packed.view(torch.uint8), tables, out, n_elements, qs.blocksize, blocksize2, nested,
+                         qs.quant_type == "fp4", **overrides)
+        if plan_wanted and launch is not None:
+            _LaunchPlan.remember(weight, packed, qs, tables, shape, transpose, launch)
+    return out.t() if transpose else out
 
 
 def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4, **overrides):
+    """Launch through Triton's JIT; return (compiled kernel, grid, arguments) for a launch plan."""
     absmax, code, absmax2, code2, offset = tables
     num_warps = overrides.pop("num_warps", NUM_WARPS)
     variant = kernel_variant(out.dtype, nested=nested, fp4=fp4, blocksize=blocksize, blocksize2=blocksize2,
@@ -338,13 +347,89 @@ def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4,
     n_bytes = (n_elements + 1) // 2
     grid = (triton.cdiv(n_bytes, variant["BYTES_PER_PROGRAM"]),)
     options = {} if INTERPRET else compile_options(variant["USE_ASM"])
+    args = (packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes)
     # Triton launches on the current device; switch only when the weight lives on another one.
     switch = out.is_cuda and out.device.index != torch.cuda.current_device()
     with torch.cuda.device(out.device) if switch else contextlib.nullcontext():
-        _dequantize_4bit_kernel[grid](
-            packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes,
-            num_warps=num_warps, **variant, **options,
+        compiled = _dequantize_4bit_kernel[grid](*args, num_warps=num_warps, **variant, **options)
+    if INTERPRET or switch:
+        return None
+    constexprs = [variant[name] for name in _dequantize_4bit_kernel.arg_names[len(args):]]
+    return compiled, grid[0], args + tuple(constexprs)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch plans: the per-call fast path
+# --------------------------------------------------------------------------------------------
+# A validated call leaves a plan keyed by (packed data pointer, id(quant_state)). The next call
+# with the same weight checks, attribute by attribute, that nothing the plan relied on changed
+# (same state object and tensors, shape, dtype, device), then allocates the output and calls the
+# compiled kernel's launcher directly, skipping the validation and Triton's argument binding.
+# The kernel reads the weight's bytes on every call, so a weight re-quantized in place is served
+# fresh; anything swapped or moved misses the plan and takes the validating path.
+_PLANS = {}
+_OUT_ARG = 6  # position of out_ptr in the kernel's arguments
+
+
+def _launch_hooks():
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4 keeps the hooks in knobs
+    if knobs is not None:
+        return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    compiled_kernel = triton.compiler.CompiledKernel
+    return compiled_kernel.launch_enter_hook, compiled_kernel.launch_exit_hook
+
+
+class _LaunchPlan:
+    __slots__ = ("state_ref", "state_fields", "state_tensors", "packed_shape", "packed_dtype", "shape", "dtype", "device",
+                 "device_index", "transpose", "launcher", "function", "metadata", "grid", "head", "tail", "__weakref__")
+
+    @classmethod
+    def remember(cls, weight, packed, qs, tables, shape, transpose, launch):
+        if any(hook is not None for hook in _launch_hooks()):
+            return  # a profiler's launch hooks want Triton's own launch path
+        compiled, grid, args = launch
+        plan = cls()
+        key = (weight.data_ptr(), id(qs))
+        plan.state_ref = weakref.ref(qs, lambda _: _PLANS.pop(key, None))
+        plan.state_fields = _state_fields(qs)
+        # Held so that the ids in state_fields cannot be reused while the plan lives.
+        plan.state_tensors = (qs.absmax, qs.code, qs.offset, qs.state2)
+        plan.packed_shape, plan.packed_dtype = weight.shape, weight.dtype
+        plan.shape, plan.dtype, plan.device, plan.transpose = shape, qs.dtype, packed.device, transpose
+        plan.device_index = packed.device.index
+        plan.launcher, plan.function, plan.metadata = compiled.run, compiled.function, compiled.packed_metadata
+        plan.grid = grid
+        # Pointers as integers: the launcher takes them as they are, and the plan keeps the packed
+        # weight (the large tensor) alive no longer than its caller does.
+        args = [arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args]
+        plan.head, plan.tail = tuple(args[:_OUT_ARG]), tuple(args[_OUT_ARG + 1:])
+        _PLANS[key] = plan
+
+    def matches(self, weight, qs):
+        return (
+            self.state_ref() is qs
+            and weight.shape == self.packed_shape
+            and weight.dtype is self.packed_dtype
+            and weight.is_contiguous()
+            and qs.dtype is self.dtype
+            and _state_fields(qs) == self.state_fields
+            and torch.cuda.current_device() == self.device_index
+            and _launch_hooks() == (None, None)
         )
+
+    def launch(self):
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        args = self.head + (out.data_ptr(),) + self.tail  # a fresh tuple: plans are shared by threads
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        self.launcher(self.grid, 1, 1, stream, self.function, self.metadata, None, None, None, *args)
+        return out.t() if self.transpose else out
+
+
+def _state_fields(qs):
+    """What a plan relies on in a quant state: its objects by id, its scalars by value."""
+    state2 = qs.state2 if qs.nested else None
+    return (id(qs.absmax), id(qs.code), qs.shape, qs.blocksize, qs.quant_type, qs.nested, id(qs.offset),
+            id(state2), None if state2 is None else (id(state2.absmax), id(state2.code), state2.blocksize))
 
 
 # --------------------------------------------------------------------------------------------

@@ -144,3 +144,54 @@ def test_challenge_check(option):
             if fast_dequantize is not None:
                 assert torch.equal(ours.t(), fast_dequantize(layer.weight, state).t())
     assert math.isfinite(got.float().abs().max().item())
+
+
+# ---- launch plans: the fast path must never serve stale results ---------------------------------
+def test_plan_is_used_and_exact():
+    packed, state = quantize((256, 320), dtype=torch.bfloat16, device="cuda", seed=12)
+    expected = bnb_dequantize(packed, state)
+    first = kernel.dequantize_nf4(packed, state)
+    assert (packed.data_ptr(), id(state)) in kernel._PLANS
+    second, third = kernel.dequantize_nf4(packed, state), kernel.dequantize_nf4(packed, state)
+    for got in (first, second, third):
+        assert_bit_exact(got, expected)
+    assert len({first.data_ptr(), second.data_ptr(), third.data_ptr()}) == 3
+
+
+def test_plan_after_requantization_in_place():
+    packed, state = quantize((256, 320), device="cuda", seed=13)
+    kernel.dequantize_nf4(packed, state)
+    new_packed, new_state = quantize((256, 320), device="cuda", seed=14)
+    packed.copy_(new_packed)
+    state.absmax.copy_(new_state.absmax)
+    state.state2.absmax.copy_(new_state.state2.absmax)
+    state.offset.copy_(new_state.offset)
+    assert_bit_exact(kernel.dequantize_nf4(packed, state), bnb_dequantize(new_packed, new_state))
+
+
+@pytest.mark.parametrize("change", ["absmax", "state2", "dtype", "blocksize-shape"])
+def test_plan_after_state_changes(change):
+    packed, state = quantize((256, 320), device="cuda", seed=15)
+    kernel.dequantize_nf4(packed, state)
+    other_packed, other = quantize((256, 320), device="cuda", seed=16)
+    if change == "absmax":
+        state.absmax = other.absmax
+    elif change == "state2":
+        state.state2, state.offset = other.state2, other.offset
+    elif change == "dtype":
+        state.dtype = torch.float32
+    else:
+        packed, state = quantize((320, 256), blocksize=128, device="cuda", seed=17)
+    assert_bit_exact(kernel.dequantize_nf4(packed, state), bnb_dequantize(packed, state))
+
+
+def test_plan_dropped_with_its_state():
+    import gc
+
+    packed, state = quantize((64, 64), device="cuda", seed=18)
+    kernel.dequantize_nf4(packed, state)
+    key = (packed.data_ptr(), id(state))
+    assert key in kernel._PLANS
+    del state
+    gc.collect()
+    assert key not in kernel._PLANS
