@@ -306,6 +306,18 @@ def dequantize_nf4(weight, quant_state=None, *, out=None):
 def _dequantize(weight, quant_state, out, **overrides):
     """The validating path: ``dequantize_nf4`` with kernel constexprs overridden (tests force each
     variant). A call without overrides or ``out`` leaves a launch plan for the weight behind."""
+    result, plan = _validate_and_launch(weight, quant_state, out, overrides)
+    if plan is not None and not overrides:
+        plan.keep()
+    return result
+
+
+def _launch_plan(weight, quant_state, **overrides):
+    """A launch plan for one weight and kernel configuration, not kept (the launch sweep's)."""
+    return _validate_and_launch(weight, quant_state, None, overrides)[1]
+
+
+def _validate_and_launch(weight, quant_state, out, overrides):
     weight, qs = _resolve(weight, quant_state)
     packed = weight.data if isinstance(weight, torch.nn.Parameter) else weight
     if packed.device.type == "cpu" and not INTERPRET:
@@ -317,7 +329,7 @@ def _dequantize(weight, quant_state, out, **overrides):
     shape = torch.Size(qs.shape)
     transpose = packed.dim() > 0 and packed.shape[0] == 1 and len(shape) == 2
 
-    plan_wanted = out is None and not overrides
+    plan_wanted = out is None
     if out is None:
         out = torch.empty(shape, dtype=qs.dtype, device=packed.device)
     else:
@@ -328,12 +340,13 @@ def _dequantize(weight, quant_state, out, **overrides):
                  f"dequantize_nf4: out is on {out.device} but the packed weight is on {packed.device}")
         _require(out.is_contiguous(), "dequantize_nf4: out must be contiguous")
 
+    plan = None
     if n_elements > 0:
         launch = _launch(packed.view(torch.uint8), tables, out, n_elements, qs.blocksize, blocksize2, nested,
-                         qs.quant_type == "fp4", **overrides)
-        if plan_wanted and launch is not None:
-            _LaunchPlan.remember(weight, packed, qs, tables, shape, transpose, launch)
-    return out.t() if transpose else out
+                         qs.quant_type == "fp4", **dict(overrides))
+        if plan_wanted and launch is not None and not _launch_hooks_active():
+            plan = _LaunchPlan(weight, packed, qs, shape, transpose, launch)
+    return (out.t() if transpose else out), plan
 
 
 def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4, **overrides):
@@ -371,39 +384,39 @@ _PLANS = {}
 _OUT_ARG = 6  # position of out_ptr in the kernel's arguments
 
 
-def _launch_hooks():
-    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4 keeps the hooks in knobs
+def _launch_hooks_active():
+    """Whether a profiler set Triton launch hooks (they need Triton's own launch path)."""
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4: HookChain objects in knobs; 3.3: None
     if knobs is not None:
-        return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    compiled_kernel = triton.compiler.CompiledKernel
-    return compiled_kernel.launch_enter_hook, compiled_kernel.launch_exit_hook
+        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    else:
+        hooks = (triton.compiler.CompiledKernel.launch_enter_hook, triton.compiler.CompiledKernel.launch_exit_hook)
+    return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
 
 
 class _LaunchPlan:
-    __slots__ = ("state_ref", "state_fields", "state_tensors", "packed_shape", "packed_dtype", "shape", "dtype", "device",
+    __slots__ = ("key", "state_ref", "state_fields", "state_tensors", "packed_shape", "packed_dtype", "shape", "dtype", "device",
                  "device_index", "transpose", "launcher", "function", "metadata", "grid", "head", "tail", "__weakref__")
 
-    @classmethod
-    def remember(cls, weight, packed, qs, tables, shape, transpose, launch):
-        if any(hook is not None for hook in _launch_hooks()):
-            return  # a profiler's launch hooks want Triton's own launch path
+    def __init__(self, weight, packed, qs, shape, transpose, launch):
         compiled, grid, args = launch
-        plan = cls()
-        key = (weight.data_ptr(), id(qs))
-        plan.state_ref = weakref.ref(qs, lambda _: _PLANS.pop(key, None))
-        plan.state_fields = _state_fields(qs)
+        self.key = (weight.data_ptr(), id(qs))
+        self.state_ref = weakref.ref(qs, lambda _, key=self.key: _PLANS.pop(key, None))
+        self.state_fields = _state_fields(qs)
         # Held so that the ids in state_fields cannot be reused while the plan lives.
-        plan.state_tensors = (qs.absmax, qs.code, qs.offset, qs.state2)
-        plan.packed_shape, plan.packed_dtype = weight.shape, weight.dtype
-        plan.shape, plan.dtype, plan.device, plan.transpose = shape, qs.dtype, packed.device, transpose
-        plan.device_index = packed.device.index
-        plan.launcher, plan.function, plan.metadata = compiled.run, compiled.function, compiled.packed_metadata
-        plan.grid = grid
+        self.state_tensors = (qs.absmax, qs.code, qs.offset, qs.state2)
+        self.packed_shape, self.packed_dtype = weight.shape, weight.dtype
+        self.shape, self.dtype, self.device, self.transpose = shape, qs.dtype, packed.device, transpose
+        self.device_index = packed.device.index
+        self.launcher, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
+        self.grid = grid
         # Pointers as integers: the launcher takes them as they are, and the plan keeps the packed
         # weight (the large tensor) alive no longer than its caller does.
         args = [arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args]
-        plan.head, plan.tail = tuple(args[:_OUT_ARG]), tuple(args[_OUT_ARG + 1:])
-        _PLANS[key] = plan
+        self.head, self.tail = tuple(args[:_OUT_ARG]), tuple(args[_OUT_ARG + 1:])
+
+    def keep(self):
+        _PLANS[self.key] = self
 
     def matches(self, weight, qs):
         return (
@@ -414,7 +427,7 @@ class _LaunchPlan:
             and qs.dtype is self.dtype
             and _state_fields(qs) == self.state_fields
             and torch.cuda.current_device() == self.device_index
-            and _launch_hooks() == (None, None)
+            and not _launch_hooks_active()
         )
 
     def launch(self):
