@@ -384,14 +384,18 @@ _PLANS = {}
 _OUT_ARG = 6  # position of out_ptr in the kernel's arguments
 
 
-def _launch_hooks_active():
-    """Whether a profiler set Triton launch hooks (they need Triton's own launch path)."""
-    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4: HookChain objects in knobs; 3.3: None
-    if knobs is not None:
-        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    else:
-        hooks = (triton.compiler.CompiledKernel.launch_enter_hook, triton.compiler.CompiledKernel.launch_exit_hook)
-    return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
+if hasattr(triton, "knobs"):  # Triton >= 3.4: the hooks are HookChain objects (or a function)
+    _RUNTIME_KNOBS = triton.knobs.runtime
+
+    def _launch_hooks_active():
+        """Whether a profiler set Triton launch hooks (they need Triton's own launch path)."""
+        enter, exit_ = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
+        return bool(getattr(enter, "calls", enter)) or bool(getattr(exit_, "calls", exit_))
+else:  # Triton 3.3: plain attributes of CompiledKernel, None when unset
+    def _launch_hooks_active():
+        """Whether a profiler set Triton launch hooks (they need Triton's own launch path)."""
+        compiled_kernel = triton.compiler.CompiledKernel
+        return compiled_kernel.launch_enter_hook is not None or compiled_kernel.launch_exit_hook is not None
 
 
 class _LaunchPlan:
@@ -426,7 +430,7 @@ class _LaunchPlan:
             and weight.is_contiguous()
             and qs.dtype is self.dtype
             and _state_fields(qs) == self.state_fields
-            and torch.cuda.current_device() == self.device_index
+            and torch._C._cuda_getDevice() == self.device_index
             and not _launch_hooks_active()
         )
 
