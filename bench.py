@@ -211,6 +211,61 @@ def bench_sweep(shapes, dtypes, roofline, meta, progress):
     return rows
 
 
+def plot(folder):
+    """Charts from the CSVs in one results folder: kernel % of copy roofline per shape, and the
+    launch sweep (time against bytes per program, a line per num_warps / asm family)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    written = []
+    bench_csv = os.path.join(folder, "bench.csv")
+    if os.path.exists(bench_csv):
+        frame = pd.read_csv(bench_csv)
+        kernels = frame[frame["kind"] == "kernel"]
+        meta = frame.iloc[0]
+        fig, axes = plt.subplots(1, kernels["dtype"].nunique(), figsize=(12, 4.5), squeeze=False)
+        for ax, (dtype, rows) in zip(axes[0], kernels.groupby("dtype")):
+            table = rows.pivot(index="shape", columns="implementation", values="pct_roofline")
+            table = table.loc[sorted(table.index, key=lambda s: int(s.split("x")[0]) * int(s.split("x")[1]))]
+            table.plot.bar(ax=ax, rot=30)
+            ax.axhline(100, color="black", linewidth=0.8, linestyle="--")
+            ax.set_title(f"{dtype}: % of device copy bandwidth")
+            ax.set_ylabel("% of copy roofline")
+            ax.legend(fontsize=8)
+        fig.suptitle(f"{meta['gpu']} | torch {meta['torch_version']} | triton {meta['triton_version']} | "
+                     f"bnb {meta['bitsandbytes_version']} | unsloth {meta['unsloth_version']}", fontsize=9)
+        fig.tight_layout()
+        written.append(os.path.join(folder, "kernel_roofline.png"))
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    sweep_csv = os.path.join(folder, "sweep.csv")
+    if os.path.exists(sweep_csv):
+        frame = pd.read_csv(sweep_csv)
+        config = frame["implementation"].str.extract(r"bpp=(\d+) warps=(\d+) asm=(\w+)")
+        frame["bytes_per_program"] = config[0].astype(int)
+        frame["family"] = "warps=" + config[1] + " asm=" + config[2]
+        groups = list(frame.groupby(["shape", "dtype"], sort=False))
+        fig, axes = plt.subplots(2, (len(groups) + 1) // 2, figsize=(15, 8), squeeze=False)
+        for ax, ((shape, dtype), rows) in zip(axes.flat, groups):
+            for family, line in rows.groupby("family"):
+                line = line.sort_values("bytes_per_program")
+                ax.plot(line["bytes_per_program"], line["median_us"], marker="o", label=family)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{shape} {dtype}")
+            ax.set_xlabel("packed bytes per program")
+            ax.set_ylabel("median us (do_bench, L2 flushed)")
+        axes.flat[0].legend(fontsize=7)
+        fig.suptitle(f"Launch sweep on {frame.iloc[0]['gpu']} (triton {frame.iloc[0]['triton_version']})", fontsize=10)
+        fig.tight_layout()
+        written.append(os.path.join(folder, "sweep.png"))
+        fig.savefig(written[-1], dpi=100)
+        plt.close(fig)
+    return written
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="three shapes, fewer rounds")
@@ -219,7 +274,11 @@ def main():
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--no-harness", action="store_true")
+    parser.add_argument("--plot", metavar="FOLDER", help="only draw the charts of a results folder")
     args = parser.parse_args()
+    if args.plot:
+        print("\n".join(plot(args.plot)))
+        return
 
     if not torch.cuda.is_available():
         print("No CUDA GPU: nothing to time. Running a small correctness demo through Triton's interpreter.")
@@ -251,12 +310,14 @@ def main():
 
     folder = os.path.join(args.out, "".join(c if c.isalnum() else "-" for c in gpu.lower()).strip("-"))
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "bench.csv")
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[-1].keys()))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {path}")
+    for name, kinds in (("bench.csv", ("roofline", "kernel", "harness")), ("sweep.csv", ("sweep",))):
+        selected = [row for row in rows if row["kind"] in kinds]
+        if selected:
+            with open(os.path.join(folder, name), "w", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=list(selected[0].keys()))
+                writer.writeheader()
+                writer.writerows(selected)
+    print("wrote", ", ".join(plot(folder)), "and the CSVs in", folder)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,33 @@
+"""The benchmark module's CPU behaviour: the no-GPU demo and the charts from a results folder."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+RESULTS = os.path.join(ROOT, "results", "nvidia-h100-80gb-hbm3")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the demo runs only without a GPU")
+def test_without_gpu_runs_the_demo():
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--quick"], capture_output=True,
+                            text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "No CUDA GPU" in result.stdout
+    assert "bit-exact with bitsandbytes: True" in result.stdout
+
+
+def test_charts_from_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("pandas")
+    sys.path.insert(0, ROOT)
+    import bench
+
+    for name in ("bench.csv", "sweep.csv"):
+        shutil.copy(os.path.join(RESULTS, name), tmp_path / name)
+    written = bench.plot(str(tmp_path))
+    assert [os.path.basename(path) for path in written] == ["kernel_roofline.png", "sweep.png"]
+    assert all(os.path.getsize(path) > 10_000 for path in written)
