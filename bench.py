@@ -188,6 +188,30 @@ def bench_harness(rounds, meta, progress):
     return rows
 
 
+def bench_compile(shapes, dtypes, roofline, meta, progress):
+    """Eager (launch plan) against torch.compile (default and reduce-overhead), do_bench medians."""
+    rows = []
+    for dtype_name, dtype in dtypes.items():
+        for shape in shapes:
+            packed, state = make_weight(shape, dtype)
+            expected = kernel.dequantize_nf4(packed, state)
+            modes = {"eager": lambda: kernel.dequantize_nf4(packed, state)}
+            for mode in ("default", "reduce-overhead"):
+                compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), mode=mode, fullgraph=True)
+                modes[f"compiled-{mode}"] = lambda compiled=compiled: compiled(packed)
+            for name, fn in modes.items():
+                for _ in range(3):
+                    assert torch.equal(fn(), expected), name
+                median, p20, p80 = do_bench(fn)
+                gbps = bytes_moved(shape, dtype) / median / 1e6
+                rows.append(dict(meta, kind="compile", shape=f"{shape[0]}x{shape[1]}", dtype=dtype_name,
+                                 implementation=name, median_us=median * 1e3, p20_us=p20 * 1e3, p80_us=p80 * 1e3,
+                                 gbps=gbps, pct_roofline=100 * gbps / roofline))
+            progress(f"compile {dtype_name} {shape}: " + ", ".join(
+                f"{r['implementation']} {r['median_us']:.1f} us" for r in rows[-len(modes):]))
+    return rows
+
+
 def bench_sweep(shapes, dtypes, roofline, meta, progress):
     rows = []
     for dtype_name, dtype in dtypes.items():
@@ -274,6 +298,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--no-harness", action="store_true")
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--only-compile", action="store_true", help="only the torch.compile comparison")
     parser.add_argument("--plot", metavar="FOLDER", help="only draw the charts of a results folder")
     args = parser.parse_args()
     if args.plot:
@@ -302,15 +328,19 @@ def main():
     print(f"device-to-device copy: {roofline:.0f} GB/s")
     rows = [dict(meta, kind="roofline", shape="", dtype="", implementation="copy", median_us=0.0, p20_us=0.0,
                  p80_us=0.0, gbps=roofline, pct_roofline=100.0)]
-    rows += bench_kernels(shapes, dtypes, rounds, roofline, meta, print)
-    if not args.no_harness:
+    if not args.only_compile:
+        rows += bench_kernels(shapes, dtypes, rounds, roofline, meta, print)
+    if not (args.no_harness or args.only_compile):
         rows += bench_harness(rounds, meta, print)
-    if not args.no_sweep:
+    if not args.no_compile:
+        rows += bench_compile(QUICK_SHAPES[:2], dtypes, roofline, meta, print)
+    if not (args.no_sweep or args.only_compile):
         rows += bench_sweep(QUICK_SHAPES, dtypes, roofline, meta, print)
 
     folder = os.path.join(args.out, "".join(c if c.isalnum() else "-" for c in gpu.lower()).strip("-"))
     os.makedirs(folder, exist_ok=True)
-    for name, kinds in (("bench.csv", ("roofline", "kernel", "harness")), ("sweep.csv", ("sweep",))):
+    for name, kinds in (("bench.csv", ("roofline", "kernel", "harness")), ("sweep.csv", ("sweep",)),
+                        ("compile.csv", ("roofline", "compile"))):
         selected = [row for row in rows if row["kind"] in kinds]
         if selected:
             with open(os.path.join(folder, name), "w", newline="") as handle:

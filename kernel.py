@@ -301,7 +301,7 @@ def dequantize_nf4(weight, quant_state=None, *, out=None):
     values of ``bitsandbytes.functional.dequantize_4bit``, transposed like it when the packed
     weight has ``shape[0] == 1``. ``out`` is a contiguous buffer of that shape, dtype and device.
     """
-    if out is None and quant_state is not None:
+    if out is None and quant_state is not None and not torch.compiler.is_compiling():
         plan = _PLANS.get((weight.data_ptr(), id(quant_state))) if isinstance(weight, torch.Tensor) else None
         if plan is not None and plan.matches(weight, quant_state):
             return plan.launch()
@@ -333,6 +333,9 @@ def _validate_and_launch(weight, quant_state, out, overrides):
     n_elements, nested, blocksize2, tables = _check_state(packed, qs)
     shape = torch.Size(qs.shape)
     transpose = packed.dim() > 0 and packed.shape[0] == 1 and len(shape) == 2
+
+    if torch.compiler.is_compiling():
+        return _traced_call(packed, qs, tables, n_elements, shape, transpose, blocksize2, nested, out), None
 
     plan_wanted = out is None
     if out is None:
@@ -374,6 +377,69 @@ def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4,
         return None
     constexprs = [variant[name] for name in _dequantize_4bit_kernel.arg_names[len(args):]]
     return compiled, grid[0], args + tuple(constexprs)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile: the kernel as a torch.library operator
+# --------------------------------------------------------------------------------------------
+def _traced_call(packed, qs, tables, n_elements, shape, transpose, blocksize2, nested, out):
+    """Inside torch.compile: the validated call becomes one operator call that Inductor can see."""
+    absmax, code, absmax2, code2, offset = tables
+    result = torch.ops.nf4_triton.dequantize(
+        packed.view(torch.uint8), absmax, code, absmax2, code2, offset, list(shape), qs.dtype,
+        qs.blocksize, blocksize2, nested, qs.quant_type == "fp4")
+    if out is not None:
+        out.copy_(result)
+        result = out
+    return result.t() if transpose else result
+
+
+def _dequantize_op(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    code: torch.Tensor,
+    absmax2: torch.Tensor,
+    code2: torch.Tensor,
+    offset: torch.Tensor,
+    shape: list[int],
+    dtype: torch.dtype,
+    blocksize: int,
+    blocksize2: int,
+    nested: bool,
+    fp4: bool,
+) -> torch.Tensor:
+    """The operator's body: allocate and launch (inputs already validated by the wrapper)."""
+    out = torch.empty(shape, dtype=dtype, device=packed.device)
+    n_elements = out.numel()
+    if n_elements == 0:
+        return out
+    variant = kernel_variant(dtype, nested=nested, fp4=fp4, blocksize=blocksize, blocksize2=blocksize2,
+                             use_int64=n_elements > _INT32_MAX - 2 * BYTES_PER_PROGRAM,
+                             capability=_capability(packed.device))
+    n_bytes = (n_elements + 1) // 2
+    grid = (triton.cdiv(n_bytes, BYTES_PER_PROGRAM),)
+    # The interpreter's kernel is launched as it is (older torch refuses to wrap it).
+    kernel = _dequantize_4bit_kernel if INTERPRET else torch.library.wrap_triton(_dequantize_4bit_kernel)
+    # Inside a graph the inline-PTX path is used whenever it exists, so no compile option is
+    # needed to keep the scale free of FMAs (wrap_triton passes no compile options).
+    kernel[grid](packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes,
+                 num_warps=NUM_WARPS, **variant)
+    return out
+
+
+def _dequantize_op_fake(packed, absmax, code, absmax2, code2, offset, shape, dtype, blocksize, blocksize2,
+                        nested, fp4):
+    return packed.new_empty(shape, dtype=dtype)
+
+
+if INTERPRET:
+    # The interpreter cannot run on fake tensors, so the body is opaque and the shape comes from
+    # an explicit fake implementation.
+    _op = torch.library.custom_op("nf4_triton::dequantize", _dequantize_op, mutates_args=())
+    _op.register_fake(_dequantize_op_fake)
+else:
+    # triton_op: Inductor traces the body and sees (and launches) the Triton kernel itself.
+    torch.library.triton_op("nf4_triton::dequantize", _dequantize_op, mutates_args=())
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,104 @@
+"""torch.compile: the operator's fake implementation, opcheck, fullgraph compiles with zero graph
+breaks giving eager's bits, and what recompiles. Runs on the GPU when there is one, else on CPU
+tensors through the interpreter (the operator is then opaque to Inductor)."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import kernel
+from helpers import assert_bit_exact, quantize
+
+
+def op_args(packed, state):
+    state2 = state.state2
+    return (packed.view(torch.uint8), state.absmax, state.code, state2.absmax, state2.code, state.offset,
+            list(state.shape), state.dtype, state.blocksize, state2.blocksize, True, False)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def test_fake_implementation(device):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    packed, state = quantize((96, 130), dtype=torch.bfloat16, device=device)
+    args = op_args(packed, state)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        result = torch.ops.nf4_triton.dequantize(*fake_args)
+    assert result.shape == (96, 130) and result.dtype == torch.bfloat16
+    assert result.stride() == (130, 1) and result.device == packed.device
+
+
+def test_opcheck(device):
+    packed, state = quantize((16, 96), dtype=torch.float16, device=device)
+    torch.library.opcheck(torch.ops.nf4_triton.dequantize.default, op_args(packed, state))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_single_call_fullgraph(dtype, device):
+    packed, state = quantize((64, 192), dtype=dtype, device=device, seed=1)
+    eager = kernel.dequantize_nf4(packed, state)
+    compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), fullgraph=True)
+    assert_bit_exact(compiled(packed), eager)
+    assert not counters["graph_break"]
+
+
+def test_transposed_layout_compiles(device):
+    packed, state = quantize((4, 6), device=device, seed=2)
+    flat = packed.reshape(1, -1)
+    compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), fullgraph=True)
+    assert_bit_exact(compiled(flat), kernel.dequantize_nf4(flat, state))
+
+
+def test_mlp_forward_fullgraph(device):
+    """The challenge's MLP forward, compiled whole: no graph break, eager's weights bit for bit."""
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    hd, m = 128, 320
+    weights = [quantize(shape, dtype=dtype, device=device, seed=seed)
+               for seed, shape in enumerate([(m, hd), (m, hd), (hd, m)])]
+    X = torch.randn(2, 5, hd, dtype=dtype, device=device)
+
+    def forward(X, up, gate, down):
+        up = X @ kernel.dequantize_nf4(*up).t()
+        gate = X @ kernel.dequantize_nf4(*gate).t()
+        h = torch.nn.functional.silu(gate) * up
+        return h @ kernel.dequantize_nf4(*down).t()
+
+    def weights_only(up, gate, down):
+        return [kernel.dequantize_nf4(*w) for w in (up, gate, down)]
+
+    compiled = torch.compile(forward, fullgraph=True)
+    torch.testing.assert_close(compiled(X, *weights), forward(X, *weights))
+    for got, expected in zip(torch.compile(weights_only, fullgraph=True)(*weights), weights_only(*weights)):
+        assert_bit_exact(got, expected)
+    assert not counters["graph_break"]
+
+
+def test_recompiles_only_per_weight_shape(device):
+    """Dynamo specializes on the quant state's shape (Python ints): one graph per distinct weight
+    shape, and none for repeated calls. Gate and up share a shape and so share a graph."""
+    shapes = [(64, 128), (64, 128), (128, 64), (96, 256)]
+    weights = [quantize(shape, device=device, seed=i) for i, shape in enumerate(shapes)]
+    compiled = torch.compile(lambda packed, state: kernel.dequantize_nf4(packed, state), fullgraph=True)
+    for _ in range(3):
+        for packed, state in weights:
+            assert_bit_exact(compiled(packed, state), kernel.dequantize_nf4(packed, state))
+    assert counters["stats"]["unique_graphs"] == len(set(shapes))
+    assert not counters["graph_break"]
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_mode():
+    packed, state = quantize((512, 1024), dtype=torch.bfloat16, device="cuda", seed=3)
+    compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), mode="reduce-overhead",
+                             fullgraph=True)
+    eager = kernel.dequantize_nf4(packed, state)
+    for _ in range(3):  # CUDA-graph warm-up, record, replay
+        assert_bit_exact(compiled(packed).clone(), eager)
