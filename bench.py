@@ -246,9 +246,9 @@ def plot(folder):
 
     written = []
     bench_csv = os.path.join(folder, "bench.csv")
-    if os.path.exists(bench_csv):
-        frame = pd.read_csv(bench_csv)
-        kernels = frame[frame["kind"] == "kernel"]
+    frame = pd.read_csv(bench_csv) if os.path.exists(bench_csv) else pd.DataFrame({"kind": []})
+    kernels = frame[frame["kind"] == "kernel"]
+    if len(kernels):
         meta = frame.iloc[0]
         fig, axes = plt.subplots(1, kernels["dtype"].nunique(), figsize=(12, 4.5), squeeze=False)
         for ax, (dtype, rows) in zip(axes[0], kernels.groupby("dtype")):
@@ -342,7 +342,7 @@ def main():
     for name, kinds in (("bench.csv", ("roofline", "kernel", "harness")), ("sweep.csv", ("sweep",)),
                         ("compile.csv", ("roofline", "compile"))):
         selected = [row for row in rows if row["kind"] in kinds]
-        if selected:
+        if any(row["kind"] != "roofline" for row in selected):
             with open(os.path.join(folder, name), "w", newline="") as handle:
                 writer = csv.DictWriter(handle, fieldnames=list(selected[0].keys()))
                 writer.writeheader()
