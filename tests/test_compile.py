@@ -59,7 +59,8 @@ def test_transposed_layout_compiles(device):
 
 def test_mlp_forward_fullgraph(device):
     """The challenge's MLP forward, compiled whole: no graph break, eager's weights bit for bit."""
-    dtype = torch.float16 if device == "cuda" else torch.float32
+    # bf16 on the GPU: the test weights' row scales reach 1e2, which overflows fp16 in the MLP.
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hd, m = 128, 320
     weights = [quantize(shape, dtype=dtype, device=device, seed=seed)
                for seed, shape in enumerate([(m, hd), (m, hd), (hd, m)])]
