@@ -84,6 +84,16 @@ def copy_roofline():
     return 2 * src.numel() / ms / 1e6
 
 
+def timing_row(meta, kind, shape, dtype_name, implementation, times_ms, roofline):
+    """One tidy CSV row from (median, p20, p80) kernel times in milliseconds."""
+    median, p20, p80 = times_ms
+    dtype = DTYPES[dtype_name]
+    gbps = bytes_moved(shape, dtype) / median / 1e6
+    return dict(meta, kind=kind, shape=f"{shape[0]}x{shape[1]}", dtype=dtype_name, implementation=implementation,
+                median_us=median * 1e3, p20_us=p20 * 1e3, p80_us=p80 * 1e3, gbps=gbps,
+                pct_roofline=100 * gbps / roofline)
+
+
 def summarize(times):
     times = sorted(times)
     pick = lambda q: times[min(len(times) - 1, int(q * (len(times) - 1) + 0.5))]  # noqa: E731
@@ -103,11 +113,7 @@ def bench_kernels(shapes, dtypes, rounds, roofline, meta, progress):
                 for name, fn in funcs.items():
                     samples[name].append(do_bench(lambda: fn(packed, state))[0])
             for name, times in samples.items():
-                median, p20, p80 = summarize(times)
-                gbps = bytes_moved(shape, dtype) / median / 1e6
-                rows.append(dict(meta, kind="kernel", shape=f"{shape[0]}x{shape[1]}", dtype=dtype_name,
-                                 implementation=name, median_us=median * 1e3, p20_us=p20 * 1e3,
-                                 p80_us=p80 * 1e3, gbps=gbps, pct_roofline=100 * gbps / roofline))
+                rows.append(timing_row(meta, "kernel", shape, dtype_name, name, summarize(times), roofline))
             progress(f"{dtype_name} {shape}: " + ", ".join(
                 f"{r['implementation']} {r['median_us']:.1f} us ({r['pct_roofline']:.0f} %)"
                 for r in rows[-len(funcs):]))
@@ -202,11 +208,7 @@ def bench_compile(shapes, dtypes, roofline, meta, progress):
             for name, fn in modes.items():
                 for _ in range(3):
                     assert torch.equal(fn(), expected), name
-                median, p20, p80 = do_bench(fn)
-                gbps = bytes_moved(shape, dtype) / median / 1e6
-                rows.append(dict(meta, kind="compile", shape=f"{shape[0]}x{shape[1]}", dtype=dtype_name,
-                                 implementation=name, median_us=median * 1e3, p20_us=p20 * 1e3, p80_us=p80 * 1e3,
-                                 gbps=gbps, pct_roofline=100 * gbps / roofline))
+                rows.append(timing_row(meta, "compile", shape, dtype_name, name, do_bench(fn), roofline))
             progress(f"compile {dtype_name} {shape}: " + ", ".join(
                 f"{r['implementation']} {r['median_us']:.1f} us" for r in rows[-len(modes):]))
     return rows
@@ -224,12 +226,8 @@ def bench_sweep(shapes, dtypes, roofline, meta, progress):
                         config = dict(BYTES_PER_PROGRAM=bytes_per_program, num_warps=num_warps, USE_ASM=use_asm)
                         fn = kernel._launch_plan(packed, state, **config).launch  # no validation per call
                         assert torch.equal(fn(), expected)
-                        median, p20, p80 = do_bench(fn)
-                        gbps = bytes_moved(shape, dtype) / median / 1e6
-                        rows.append(dict(meta, kind="sweep", shape=f"{shape[0]}x{shape[1]}", dtype=dtype_name,
-                                         implementation=f"bpp={bytes_per_program} warps={num_warps} asm={use_asm}",
-                                         median_us=median * 1e3, p20_us=p20 * 1e3, p80_us=p80 * 1e3, gbps=gbps,
-                                         pct_roofline=100 * gbps / roofline))
+                        rows.append(timing_row(meta, "sweep", shape, dtype_name, f"bpp={bytes_per_program} "
+                                               f"warps={num_warps} asm={use_asm}", do_bench(fn), roofline))
             best = min(rows[-30:], key=lambda r: r["median_us"])
             progress(f"sweep {dtype_name} {shape}: best {best['implementation']} {best['median_us']:.1f} us")
     return rows
