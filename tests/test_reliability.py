@@ -1,0 +1,171 @@
+"""Reliability: seeded fuzzing against bitsandbytes, and what real training and serving code does
+on a GPU (threads, memory, freed and reused weights, other devices).
+
+The fuzz runs everywhere: FUZZ_CASES seeded cases on a GPU, fewer through the CPU interpreter.
+Set NF4_FUZZ_SEED to replay another sequence.
+"""
+
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+import kernel
+from helpers import assert_bit_exact, bnb_dequantize, quantize
+
+FUZZ_SEED = int(os.environ.get("NF4_FUZZ_SEED", "20261121"))
+FUZZ_CASES = 520 if torch.cuda.is_available() else 96
+BLOCKSIZES = [32, 64, 128, 256, 512, 1024, 2048, 4096]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+STORAGES = [torch.uint8, torch.float16, torch.bfloat16, torch.float32]
+
+
+def fuzz_case(index):
+    """One random weight description, reproducible from (FUZZ_SEED, index)."""
+    rng = random.Random(FUZZ_SEED * 100_003 + index)
+    dims = rng.choice([1, 2, 2, 2, 3])
+    shape = tuple(rng.choice([1, 2, 3, 7, 31, 64, 65, 127, 129, 300]) for _ in range(dims))
+    n_bytes = (torch.Size(shape).numel() + 1) // 2
+    storages = [s for s in STORAGES if n_bytes % torch.tensor([], dtype=s).element_size() == 0]
+    return dict(
+        shape=shape,
+        blocksize=rng.choice(BLOCKSIZES),
+        nested=rng.random() < 0.7,
+        quant_type=rng.choice(["nf4", "nf4", "fp4"]),
+        dtype=rng.choice(DTYPES),
+        storage=rng.choice(storages),
+        scale=rng.choice([1.0, 1.0, 1e-30, 1e-8, 1e8, 1e30, 0.0]),
+        zero_rows=rng.random() < 0.3,
+        seed=rng.randrange(2**31),
+    )
+
+
+def fuzz_weight(case, device):
+    packed, state = quantize(case["shape"], dtype=case["dtype"], nested=case["nested"],
+                             blocksize=case["blocksize"], quant_type=case["quant_type"],
+                             storage=case["storage"], device="cpu", seed=case["seed"])
+    if case["scale"] != 1.0 or case["zero_rows"]:
+        # Re-quantize a rescaled weight: tiny, huge and all-zero absmax blocks.
+        import bitsandbytes.functional as F
+
+        weight = F.dequantize_4bit(packed, state).float() * case["scale"]
+        if case["zero_rows"] and weight.dim() >= 1:
+            weight[: max(1, weight.shape[0] // 2)] = 0
+        packed, state = F.quantize_4bit(weight, blocksize=case["blocksize"], compress_statistics=case["nested"],
+                                        quant_type=case["quant_type"], quant_storage=case["storage"])
+        state.dtype = case["dtype"]
+    if device != "cpu":
+        packed = packed.to(device)
+        state.to(device)
+    return packed, state
+
+
+@pytest.mark.parametrize("index", range(FUZZ_CASES))
+def test_fuzz(index, device):
+    case = fuzz_case(index)
+    packed, state = fuzz_weight(case, device)
+    expected = bnb_dequantize(packed, state)
+    poisoned = torch.full(tuple(state.shape), float("nan"), dtype=state.dtype, device=device)
+    got = kernel.dequantize_nf4(packed, state, out=poisoned)
+    assert_bit_exact(got, expected)
+    assert_bit_exact(kernel.dequantize_nf4(packed, state), expected)
+
+
+# ---- GPU only -----------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_threads():
+    """8 threads, 1000 calls each on their own weights, all exact (the plans are shared state)."""
+    weights = [quantize((64 + 8 * i, 96), dtype=DTYPES[i % 3], device="cuda", seed=100 + i) for i in range(8)]
+    expected = [bnb_dequantize(*w) for w in weights]
+    failures = []
+
+    def work(i):
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for _ in range(1000):
+                got = kernel.dequantize_nf4(*weights[i])
+                if not torch.equal(got.view(torch.int16 if got.element_size() == 2 else torch.int32),
+                                   expected[i].view(torch.int16 if got.element_size() == 2 else torch.int32)):
+                    failures.append(i)
+                    return
+        stream.synchronize()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+
+
+@pytest.mark.gpu
+def test_freed_weight_memory_reused():
+    """A weight freed and another one allocated at its address (and, often, its state at the
+    freed state's id) gets its own values, not a plan left by the first."""
+    first_packed, first_state = quantize((256, 256), device="cuda", seed=200)
+    kernel.dequantize_nf4(first_packed, first_state)
+    address, state_id = first_packed.data_ptr(), id(first_state)
+    cpu_packed, state = quantize((256, 256), device="cpu", seed=201)
+    del first_packed, first_state
+    packed = torch.empty_like(cpu_packed, device="cuda").copy_(cpu_packed)
+    if packed.data_ptr() != address:
+        pytest.skip("the caching allocator did not hand the freed block back")
+    state.to("cuda")
+    got = kernel.dequantize_nf4(packed, state)
+    assert_bit_exact(got, bnb_dequantize(packed, state))
+    assert (address, state_id) not in kernel._PLANS or id(state) == state_id
+
+
+@pytest.mark.gpu
+def test_weight_moved_away_and_back():
+    packed, state = quantize((256, 256), device="cuda", seed=202)
+    expected = bnb_dequantize(packed, state)
+    kernel.dequantize_nf4(packed, state)
+    packed = packed.cpu().cuda()
+    state.to("cpu")
+    state.to("cuda")
+    assert_bit_exact(kernel.dequantize_nf4(packed, state), expected)
+
+
+@pytest.mark.gpu
+def test_memory_steady_and_peak():
+    packed, state = quantize((1024, 1024), dtype=torch.bfloat16, device="cuda", seed=203)
+    kernel.dequantize_nf4(packed, state)  # compile and leave the plan
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    for _ in range(10_000):
+        kernel.dequantize_nf4(packed, state)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == baseline
+
+    output_bytes = 1024 * 1024 * 2
+    for call in (lambda: kernel.dequantize_nf4(packed, state), lambda: kernel._dequantize(packed, state, None)):
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        result = call()
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - before < output_bytes + 2**20
+        del result
+
+
+@pytest.mark.gpu
+def test_outputs_never_share_storage():
+    packed, state = quantize((128, 128), device="cuda", seed=204)
+    outputs = [kernel.dequantize_nf4(packed, state) for _ in range(4)]
+    pointers = {out.untyped_storage().data_ptr() for out in outputs}
+    assert len(pointers) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_weight_on_second_device():
+    """A weight on cuda:1 while cuda:0 is current: right values, on cuda:1, twice (plan or not)."""
+    packed, state = quantize((512, 384), dtype=torch.bfloat16, device="cuda:1", seed=205)
+    expected = bnb_dequantize(packed, state)
+    with torch.cuda.device(0):
+        for _ in range(2):
+            got = kernel.dequantize_nf4(packed, state)
+            assert got.device == torch.device("cuda:1")
+            assert_bit_exact(got, expected)
