@@ -160,22 +160,55 @@ def _dequantize_4bit_kernel(
 # --------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------
-# 1024 packed bytes (2048 outputs) per program over 4 warps: 8 packed bytes and 16 outputs per
-# thread. On the H100 (results/nvidia-h100-80gb-hbm3/sweep.csv, inline-PTX path, fp16 / bf16) it is
-# within 1.1 us of the best of 30 configurations at every swept shape: 7.7 / 8.3 us at 4096x1024
-# (best 7.7 / 7.6), 55.9 / 55.6 us at 14336x4096 (best 55.2 / 55.1), 208.9 / 208.3 us at 28672x8192
-# (best 207.9 / 207.8). Fewer bytes per thread loses badly (256 bytes over 8 warps: 511 us at
-# 28672x8192). sm_75 and sm_89 use the same values
-# until a sweep on those GPUs says otherwise.
-BYTES_PER_PROGRAM = 1024
-NUM_WARPS = 4
+# (packed bytes per program, warps per program) by compute capability.
+#
+# sm_90 (H100, measured): 1024 packed bytes (2048 outputs) over 4 warps, 8 packed bytes and 16
+# outputs per thread. On the H100 (results/nvidia-h100-80gb-hbm3/sweep.csv, inline-PTX path,
+# fp16 / bf16) it is within 1.1 us of the best of 30 configurations at every swept shape:
+# 7.7 / 8.3 us at 4096x1024 (best 7.7 / 7.6), 55.9 / 55.6 us at 14336x4096 (best 55.2 / 55.1),
+# 208.9 / 208.3 us at 28672x8192 (best 207.9 / 207.8). Fewer bytes per thread loses badly
+# (256 bytes over 8 warps: 511 us at 28672x8192).
+#
+# sm_75 (T4) and sm_89 (L4), reasoned from their specs, not measured: both need far fewer bytes
+# in flight than the H100. At 320 GB/s (T4) or 300 GB/s (L4) and about 1 us of DRAM latency,
+# ~320 KB must be in flight chip-wide: 8 KB per SM on the T4's 40 SMs, 5.5 KB on the L4's 58.
+# A 1024-byte program moves 1 KB in and 4 KB out (fp16); the T4 holds 8 such programs per SM
+# (1024 threads), the L4 12 (1536 threads), 40 to 60 KB per SM, so the H100's configuration
+# already saturates them, and 8 bytes per thread keeps the 16-byte stores the sweep favoured.
+# The notebooks sweep on the GPU they run on and install the winner with set_launch_config().
+LAUNCH_CONFIGS = {(9, 0): (1024, 4), (8, 9): (1024, 4), (7, 5): (1024, 4)}
+DEFAULT_LAUNCH_CONFIG = (1024, 4)
+_launch_override = None
 
 
-def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256, use_int64=False,
-                   use_asm=None, bf16_via_int=None, capability=None):
+def launch_config(capability):
+    """(bytes per program, warps) for a GPU: set_launch_config's choice, else the table's."""
+    if _launch_override is not None:
+        return _launch_override
+    return LAUNCH_CONFIGS.get(tuple(capability), DEFAULT_LAUNCH_CONFIG)
+
+
+def set_launch_config(bytes_per_program=None, num_warps=None):
+    """Use this configuration for every later call (None, None: back to the table)."""
+    global _launch_override
+    if bytes_per_program is None and num_warps is None:
+        _launch_override = None
+    else:
+        _require(_is_power_of_two(bytes_per_program) and bytes_per_program >= 16,
+                 f"set_launch_config: bytes_per_program must be a power of two >= 16, got {bytes_per_program}")
+        _require(num_warps in (1, 2, 4, 8, 16, 32),
+                 f"set_launch_config: num_warps must be a power of two from 1 to 32, got {num_warps}")
+        _launch_override = (bytes_per_program, num_warps)
+    _PLANS.clear()  # plans hold kernels compiled for the old configuration
+
+
+def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256, n_elements=0,
+                   use_asm=None, bf16_via_int=None, capability=None, bytes_per_program=None):
     """The constexpr arguments of one kernel variant (also used by the AOT compile test)."""
     if capability is None:
         capability = _capability()
+    if bytes_per_program is None:
+        bytes_per_program = launch_config(capability)[0]
     if use_asm is None:
         use_asm = not INTERPRET and _is_nvidia()
     if bf16_via_int is None:
@@ -186,8 +219,9 @@ def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256
         NESTED=nested,
         FP4=fp4,
         OUT_DTYPE=_TL_DTYPE[out_dtype],
-        BYTES_PER_PROGRAM=BYTES_PER_PROGRAM,
-        USE_INT64=use_int64,
+        BYTES_PER_PROGRAM=bytes_per_program,
+        # Offsets reach 2 * (n_bytes + bytes_per_program): past int32, compute them in int64.
+        USE_INT64=n_elements + 2 * bytes_per_program > _INT32_MAX,
         USE_ASM=use_asm,
         BF16_VIA_INT=bf16_via_int,
     )
@@ -360,10 +394,12 @@ def _validate_and_launch(weight, quant_state, out, overrides):
 def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4, **overrides):
     """Launch through Triton's JIT; return (compiled kernel, grid, arguments) for a launch plan."""
     absmax, code, absmax2, code2, offset = tables
-    num_warps = overrides.pop("num_warps", NUM_WARPS)
+    capability = _capability(out.device)
+    bytes_per_program, num_warps = launch_config(capability)
+    num_warps = overrides.pop("num_warps", num_warps)
     variant = kernel_variant(out.dtype, nested=nested, fp4=fp4, blocksize=blocksize, blocksize2=blocksize2,
-                             use_int64=n_elements > _INT32_MAX - 2 * BYTES_PER_PROGRAM,
-                             capability=_capability(out.device))
+                             n_elements=n_elements, capability=capability,
+                             bytes_per_program=overrides.pop("BYTES_PER_PROGRAM", bytes_per_program))
     variant.update(overrides)
     n_bytes = (n_elements + 1) // 2
     grid = (triton.cdiv(n_bytes, variant["BYTES_PER_PROGRAM"]),)
@@ -413,17 +449,18 @@ def _dequantize_op(
     n_elements = out.numel()
     if n_elements == 0:
         return out
+    capability = _capability(packed.device)
+    bytes_per_program, num_warps = launch_config(capability)
     variant = kernel_variant(dtype, nested=nested, fp4=fp4, blocksize=blocksize, blocksize2=blocksize2,
-                             use_int64=n_elements > _INT32_MAX - 2 * BYTES_PER_PROGRAM,
-                             capability=_capability(packed.device))
+                             n_elements=n_elements, capability=capability, bytes_per_program=bytes_per_program)
     n_bytes = (n_elements + 1) // 2
-    grid = (triton.cdiv(n_bytes, BYTES_PER_PROGRAM),)
+    grid = (triton.cdiv(n_bytes, bytes_per_program),)
     # The interpreter's kernel is launched as it is (older torch refuses to wrap it).
     kernel = _dequantize_4bit_kernel if INTERPRET else torch.library.wrap_triton(_dequantize_4bit_kernel)
     # Inside a graph the inline-PTX path is used whenever it exists, so no compile option is
     # needed to keep the scale free of FMAs (wrap_triton passes no compile options).
     kernel[grid](packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes,
-                 num_warps=NUM_WARPS, **variant)
+                 num_warps=num_warps, **variant)
     return out
 
 

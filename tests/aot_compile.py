@@ -36,7 +36,8 @@ def variants(capability):
         kernel.OUTPUT_DTYPES, (True, False), (False, True), (True, False), (False, True)
     ):
         yield out_dtype, nested, use_asm, use_int64, kernel.kernel_variant(
-            out_dtype, nested=nested, fp4=fp4, use_int64=use_int64, use_asm=use_asm, capability=capability
+            out_dtype, nested=nested, fp4=fp4, n_elements=2**31 if use_int64 else 0, use_asm=use_asm,
+            capability=capability,
         )
 
 
@@ -51,7 +52,7 @@ def compile_variant(capability, out_dtype, nested, constexprs):
     signature = {name: signature[name] for name in fn.arg_names}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-    options = {"num_warps": kernel.NUM_WARPS, **kernel.compile_options(constexprs["USE_ASM"])}
+    options = {"num_warps": kernel.launch_config(capability)[1], **kernel.compile_options(constexprs["USE_ASM"])}
     return triton.compile(source, target=target, options=options)
 
 

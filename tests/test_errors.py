@@ -141,3 +141,12 @@ def test_cuda_out_for_cpu_weight_and_next_call_exact(weight):
     import bitsandbytes.functional as F
 
     assert torch.equal(kernel.dequantize_nf4(packed, state), F.dequantize_4bit(packed, state))
+
+
+@pytest.mark.parametrize("config, message", [((96, 4), "bytes_per_program must be a power of two"),
+                                             ((1024, 3), "num_warps must be a power of two"),
+                                             ((8, 4), "bytes_per_program must be a power of two >= 16")])
+def test_bad_launch_config(config, message):
+    with pytest.raises(ValueError, match=message):
+        kernel.set_launch_config(*config)
+    assert kernel._launch_override is None

@@ -109,3 +109,15 @@ def test_known_bad_is_rejected(name, device):
     expected = bnb_dequantize(packed, state)
     assert bit_exact(dequantize_reference(packed, state), expected)
     assert not bit_exact(KNOWN_BAD[name](packed, state), expected)
+
+
+@pytest.mark.parametrize("config", [(64, 1), (512, 2), (4096, 8)])
+def test_launch_config_override(config, device):
+    packed, state = quantize((33, 257), dtype=torch.bfloat16, device=device, seed=11)
+    try:
+        kernel.set_launch_config(*config)
+        assert kernel.launch_config((9, 0)) == config
+        check(packed, state)
+    finally:
+        kernel.set_launch_config()
+    assert kernel.launch_config((9, 0)) == kernel.LAUNCH_CONFIGS[(9, 0)]
