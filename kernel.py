@@ -515,8 +515,9 @@ class _LaunchPlan:
         self.key = (weight.data_ptr(), id(qs))
         self.state_ref = weakref.ref(qs, lambda _, key=self.key: _PLANS.pop(key, None))
         self.state_fields = _state_fields(qs)
-        # Held so that the ids in state_fields cannot be reused while the plan lives.
-        self.state_tensors = (qs.absmax, qs.code, qs.offset, qs.state2)
+        # Held so that the ids in state_fields cannot be reused and the pointers below stay valid
+        # while the plan lives (an offset given as a float became a tensor of the wrapper's own).
+        self.state_tensors = (qs.absmax, qs.code, qs.offset, qs.state2) + tuple(args[1:_OUT_ARG])
         self.packed_shape, self.packed_dtype = weight.shape, weight.dtype
         self.shape, self.dtype, self.device, self.transpose = shape, qs.dtype, packed.device, transpose
         self.device_index = packed.device.index

@@ -195,3 +195,14 @@ def test_plan_dropped_with_its_state():
     del state
     gc.collect()
     assert key not in kernel._PLANS
+
+
+def test_plan_with_float_offset():
+    """An offset given as a Python float: the tensor the wrapper makes must outlive the plan's use."""
+    packed, state = quantize((256, 320), device="cuda", seed=19)
+    state.offset = float(state.offset)
+    expected = bnb_dequantize(packed, state)
+    for _ in range(3):
+        junk = [torch.randn(1024, device="cuda") for _ in range(8)]  # reuse freed blocks
+        assert_bit_exact(kernel.dequantize_nf4(packed, state), expected)
+        del junk
