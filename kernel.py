@@ -385,24 +385,31 @@ def _validate_and_launch(weight, quant_state, out, overrides):
     plan = None
     if n_elements > 0:
         launch = _launch(packed.view(torch.uint8), tables, out, n_elements, qs.blocksize, blocksize2, nested,
-                         qs.quant_type == "fp4", **dict(overrides))
+                         qs.quant_type == "fp4", **overrides)
         if plan_wanted and launch is not None and not _launch_hooks_active():
             plan = _LaunchPlan(weight, packed, qs, shape, transpose, launch)
     return (out.t() if transpose else out), plan
 
 
-def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4, **overrides):
-    """Launch through Triton's JIT; return (compiled kernel, grid, arguments) for a launch plan."""
-    absmax, code, absmax2, code2, offset = tables
-    capability = _capability(out.device)
+def _launch_setup(dtype, device, n_elements, blocksize, blocksize2, nested, fp4, overrides):
+    """Constexprs, warps, packed byte count and grid of one launch (overrides: tests, sweeps)."""
+    overrides = dict(overrides)
+    capability = _capability(device)
     bytes_per_program, num_warps = launch_config(capability)
     num_warps = overrides.pop("num_warps", num_warps)
-    variant = kernel_variant(out.dtype, nested=nested, fp4=fp4, blocksize=blocksize, blocksize2=blocksize2,
+    variant = kernel_variant(dtype, nested=nested, fp4=fp4, blocksize=blocksize, blocksize2=blocksize2,
                              n_elements=n_elements, capability=capability,
                              bytes_per_program=overrides.pop("BYTES_PER_PROGRAM", bytes_per_program))
     variant.update(overrides)
     n_bytes = (n_elements + 1) // 2
-    grid = (triton.cdiv(n_bytes, variant["BYTES_PER_PROGRAM"]),)
+    return variant, num_warps, n_bytes, (triton.cdiv(n_bytes, variant["BYTES_PER_PROGRAM"]),)
+
+
+def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4, **overrides):
+    """Launch through Triton's JIT; return (compiled kernel, grid, arguments) for a launch plan."""
+    absmax, code, absmax2, code2, offset = tables
+    variant, num_warps, n_bytes, grid = _launch_setup(out.dtype, out.device, n_elements, blocksize, blocksize2,
+                                                      nested, fp4, overrides)
     options = {} if INTERPRET else compile_options(variant["USE_ASM"])
     args = (packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes)
     # Triton launches on the current device; switch only when the weight lives on another one.
@@ -449,12 +456,8 @@ def _dequantize_op(
     n_elements = out.numel()
     if n_elements == 0:
         return out
-    capability = _capability(packed.device)
-    bytes_per_program, num_warps = launch_config(capability)
-    variant = kernel_variant(dtype, nested=nested, fp4=fp4, blocksize=blocksize, blocksize2=blocksize2,
-                             n_elements=n_elements, capability=capability, bytes_per_program=bytes_per_program)
-    n_bytes = (n_elements + 1) // 2
-    grid = (triton.cdiv(n_bytes, bytes_per_program),)
+    variant, num_warps, n_bytes, grid = _launch_setup(dtype, packed.device, n_elements, blocksize, blocksize2,
+                                                      nested, fp4, {})
     # The interpreter's kernel is launched as it is (older torch refuses to wrap it).
     kernel = _dequantize_4bit_kernel if INTERPRET else torch.library.wrap_triton(_dequantize_4bit_kernel)
     # Inside a graph the inline-PTX path is used whenever it exists, so no compile option is
