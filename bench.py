@@ -65,6 +65,13 @@ def make_weight(shape, dtype, seed=0):
     return packed, state
 
 
+def weights(shapes, dtypes):
+    """(dtype name, shape, packed, state) for every benchmarked weight, made one at a time."""
+    for dtype_name, dtype in dtypes.items():
+        for shape in shapes:
+            yield (dtype_name, shape, *make_weight(shape, dtype))
+
+
 def bytes_moved(shape, dtype):
     n = shape[0] * shape[1]
     return n // 2 + n // 64 + n * torch.finfo(dtype).bits // 8
@@ -103,20 +110,18 @@ def summarize(times):
 def bench_kernels(shapes, dtypes, rounds, roofline, meta, progress):
     rows = []
     funcs = contenders()
-    for dtype_name, dtype in dtypes.items():
-        for shape in shapes:
-            packed, state = make_weight(shape, dtype)
-            expected = funcs["bitsandbytes"](packed, state)
-            assert torch.equal(kernel.dequantize_nf4(packed, state), expected), "not bit-exact"
-            samples = {name: [] for name in funcs}
-            for _ in range(rounds):
-                for name, fn in funcs.items():
-                    samples[name].append(do_bench(lambda: fn(packed, state))[0])
-            for name, times in samples.items():
-                rows.append(timing_row(meta, "kernel", shape, dtype_name, name, summarize(times), roofline))
-            progress(f"{dtype_name} {shape}: " + ", ".join(
-                f"{r['implementation']} {r['median_us']:.1f} us ({r['pct_roofline']:.0f} %)"
-                for r in rows[-len(funcs):]))
+    for dtype_name, shape, packed, state in weights(shapes, dtypes):
+        expected = funcs["bitsandbytes"](packed, state)
+        assert torch.equal(kernel.dequantize_nf4(packed, state), expected), "not bit-exact"
+        samples = {name: [] for name in funcs}
+        for _ in range(rounds):
+            for name, fn in funcs.items():
+                samples[name].append(do_bench(lambda: fn(packed, state))[0])
+        for name, times in samples.items():
+            rows.append(timing_row(meta, "kernel", shape, dtype_name, name, summarize(times), roofline))
+        progress(f"{dtype_name} {shape}: " + ", ".join(
+            f"{r['implementation']} {r['median_us']:.1f} us ({r['pct_roofline']:.0f} %)"
+            for r in rows[-len(funcs):]))
     return rows
 
 
@@ -197,39 +202,35 @@ def bench_harness(rounds, meta, progress):
 def bench_compile(shapes, dtypes, roofline, meta, progress):
     """Eager (launch plan) against torch.compile (default and reduce-overhead), do_bench medians."""
     rows = []
-    for dtype_name, dtype in dtypes.items():
-        for shape in shapes:
-            packed, state = make_weight(shape, dtype)
-            expected = kernel.dequantize_nf4(packed, state)
-            modes = {"eager": lambda: kernel.dequantize_nf4(packed, state)}
-            for mode in ("default", "reduce-overhead"):
-                compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), mode=mode, fullgraph=True)
-                modes[f"compiled-{mode}"] = lambda compiled=compiled: compiled(packed)
-            for name, fn in modes.items():
-                for _ in range(3):
-                    assert torch.equal(fn(), expected), name
-                rows.append(timing_row(meta, "compile", shape, dtype_name, name, do_bench(fn), roofline))
-            progress(f"compile {dtype_name} {shape}: " + ", ".join(
-                f"{r['implementation']} {r['median_us']:.1f} us" for r in rows[-len(modes):]))
+    for dtype_name, shape, packed, state in weights(shapes, dtypes):
+        expected = kernel.dequantize_nf4(packed, state)
+        modes = {"eager": lambda: kernel.dequantize_nf4(packed, state)}
+        for mode in ("default", "reduce-overhead"):
+            compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), mode=mode, fullgraph=True)
+            modes[f"compiled-{mode}"] = lambda compiled=compiled: compiled(packed)
+        for name, fn in modes.items():
+            for _ in range(3):
+                assert torch.equal(fn(), expected), name
+            rows.append(timing_row(meta, "compile", shape, dtype_name, name, do_bench(fn), roofline))
+        progress(f"compile {dtype_name} {shape}: " + ", ".join(
+            f"{r['implementation']} {r['median_us']:.1f} us" for r in rows[-len(modes):]))
     return rows
 
 
 def bench_sweep(shapes, dtypes, roofline, meta, progress):
     rows = []
-    for dtype_name, dtype in dtypes.items():
-        for shape in shapes:
-            packed, state = make_weight(shape, dtype)
-            expected = kernel.dequantize_nf4(packed, state)
-            for bytes_per_program in (256, 512, 1024, 2048, 4096):
-                for num_warps in (2, 4, 8):
-                    for use_asm in (True, False):
-                        config = dict(BYTES_PER_PROGRAM=bytes_per_program, num_warps=num_warps, USE_ASM=use_asm)
-                        fn = kernel._launch_plan(packed, state, **config).launch  # no validation per call
-                        assert torch.equal(fn(), expected)
-                        rows.append(timing_row(meta, "sweep", shape, dtype_name, f"bpp={bytes_per_program} "
-                                               f"warps={num_warps} asm={use_asm}", do_bench(fn), roofline))
-            best = min(rows[-30:], key=lambda r: r["median_us"])
-            progress(f"sweep {dtype_name} {shape}: best {best['implementation']} {best['median_us']:.1f} us")
+    for dtype_name, shape, packed, state in weights(shapes, dtypes):
+        expected = kernel.dequantize_nf4(packed, state)
+        for bytes_per_program in (256, 512, 1024, 2048, 4096):
+            for num_warps in (2, 4, 8):
+                for use_asm in (True, False):
+                    config = dict(BYTES_PER_PROGRAM=bytes_per_program, num_warps=num_warps, USE_ASM=use_asm)
+                    fn = kernel._launch_plan(packed, state, **config).launch  # no validation per call
+                    assert torch.equal(fn(), expected)
+                    rows.append(timing_row(meta, "sweep", shape, dtype_name, f"bpp={bytes_per_program} "
+                                           f"warps={num_warps} asm={use_asm}", do_bench(fn), roofline))
+        best = min(rows[-30:], key=lambda r: r["median_us"])
+        progress(f"sweep {dtype_name} {shape}: best {best['implementation']} {best['median_us']:.1f} us")
     return rows
 
 
