@@ -1,10 +1,13 @@
 """Benchmark: this kernel against bitsandbytes and Unsloth, the copy roofline, a launch sweep.
 
     python bench.py [--quick] [--dtype fp16|bf16|all] [--out results/] [--rounds N]
+                    [--sections kernels,harness,compile,sweep] [--plot FOLDER]
 
 Kernel times are ``triton.testing.do_bench`` medians (L2 flushed between runs), taken in rounds
 that interleave the contenders; the reported median is the median over rounds, p20/p80 the
-spread over rounds. Bandwidth counts n/2 packed + n/64 absmax + the output bytes.
+spread over rounds. Bandwidth counts n/2 packed + n/64 absmax + the output bytes, against the
+device-to-device copy measured in the same run. ``floor (no decode)`` is a measuring instrument,
+not a contender: a kernel that reads the packed bytes and writes the output with no decoding.
 Without a GPU it says so and runs a small correctness demo through the interpreter.
 """
 
@@ -16,12 +19,16 @@ import platform
 import statistics
 
 import torch
+import triton
+import triton.language as tl
+from tqdm.auto import tqdm
 
 import kernel
 
 SHAPES = [(4096, 1024), (1024, 4096), (8192, 2048), (2048, 8192), (14336, 4096), (4096, 14336), (28672, 8192)]
 QUICK_SHAPES = [(4096, 1024), (14336, 4096), (28672, 8192)]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+SECTIONS = ("kernels", "harness", "compile", "sweep")
 
 
 def versions():
@@ -36,7 +43,7 @@ def versions():
     return found
 
 
-def contenders():
+def contenders(log=print):
     """name -> fn(packed, state); a missing package drops its contenders with one line."""
     import bitsandbytes.functional as F
 
@@ -49,10 +56,53 @@ def contenders():
         if two_launch is not None:
             found["unsloth-2025"] = two_launch
         else:
-            print("unsloth: no _fast_dequantize_ctypes, the 2025 path is skipped")
+            log("unsloth: no _fast_dequantize_ctypes, the 2025 path is skipped")
     except Exception as error:
-        print(f"unsloth: skipped ({type(error).__name__}: {error})")
+        log(f"unsloth: skipped ({type(error).__name__}: {error})")
+    try:
+        from peft.utils.integrations import dequantize_module_weight
+
+        found["peft"] = lambda packed, state: dequantize_module_weight(_linear4bit_view(packed, state))
+    except Exception as error:
+        log(f"peft: skipped ({type(error).__name__}: {error})")
+    found["floor (no decode)"] = expand_floor
     return found
+
+
+def _linear4bit_view(packed, state):
+    """What PEFT's dequantize_module_weight takes: a module whose weight is a Params4bit."""
+    import bitsandbytes as bnb
+
+    module = torch.nn.Module()
+    module.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=state.blocksize,
+                                      quant_type=state.quant_type, bnb_quantized=True)
+    return module
+
+
+@triton.jit
+def _expand_floor_kernel(
+    packed_ptr,  # uint8 [n_bytes]
+    out_ptr,  # fp16/bf16/fp32 [2 * n_bytes]
+    n_bytes,  # packed bytes
+    BYTES_PER_PROGRAM: tl.constexpr,  # packed bytes per program
+):
+    """The dequantization's memory traffic with no decoding: each byte becomes two outputs (its
+    nibbles as numbers), with the kernel's tile size and output eviction hint."""
+    pid = tl.program_id(0)
+    offsets = pid * BYTES_PER_PROGRAM + tl.arange(0, BYTES_PER_PROGRAM)
+    packed = tl.load(packed_ptr + offsets, mask=offsets < n_bytes, other=0)
+    values = tl.join((packed >> 4).to(tl.float32), (packed & 0xF).to(tl.float32)).reshape(2 * BYTES_PER_PROGRAM)
+    out_offsets = 2 * pid * BYTES_PER_PROGRAM + tl.arange(0, 2 * BYTES_PER_PROGRAM)
+    tl.store(out_ptr + out_offsets, values.to(out_ptr.dtype.element_ty), mask=out_offsets < 2 * n_bytes,
+             eviction_policy="evict_first")
+
+
+def expand_floor(packed, state):
+    out = torch.empty(tuple(state.shape), dtype=state.dtype, device=packed.device)
+    n_bytes = out.numel() // 2
+    bytes_per_program = kernel.launch_config(torch.cuda.get_device_capability())[0]
+    _expand_floor_kernel[(triton.cdiv(n_bytes, bytes_per_program),)](packed, out, n_bytes, bytes_per_program)
+    return out
 
 
 def make_weight(shape, dtype, seed=0):
@@ -91,14 +141,26 @@ def copy_roofline():
     return 2 * src.numel() / ms / 1e6
 
 
-def timing_row(meta, kind, shape, dtype_name, implementation, times_ms, roofline):
+def timing_row(meta, kind, shape, dtype_name, implementation, times_ms, roofline, extra_peak_bytes=0):
     """One tidy CSV row from (median, p20, p80) kernel times in milliseconds."""
     median, p20, p80 = times_ms
     dtype = DTYPES[dtype_name]
     gbps = bytes_moved(shape, dtype) / median / 1e6
     return dict(meta, kind=kind, shape=f"{shape[0]}x{shape[1]}", dtype=dtype_name, implementation=implementation,
                 median_us=median * 1e3, p20_us=p20 * 1e3, p80_us=p80 * 1e3, gbps=gbps,
-                pct_roofline=100 * gbps / roofline)
+                pct_roofline=100 * gbps / roofline, extra_peak_bytes=extra_peak_bytes)
+
+
+def extra_peak_bytes(fn):
+    """Peak allocation of one call beyond what it returns (warm: plans made, kernels compiled)."""
+    fn()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    return peak - result.untyped_storage().nbytes()
 
 
 def summarize(times):
@@ -107,19 +169,23 @@ def summarize(times):
     return statistics.median(times), pick(0.2), pick(0.8)
 
 
-def bench_kernels(shapes, dtypes, rounds, roofline, meta, progress):
+def bench_kernels(shapes, dtypes, rounds, roofline, meta, log):
     rows = []
-    funcs = contenders()
-    for dtype_name, shape, packed, state in weights(shapes, dtypes):
+    funcs = contenders(log)
+    cases = weights(shapes, dtypes)
+    for dtype_name, shape, packed, state in tqdm(cases, desc="kernels", total=len(shapes) * len(dtypes)):
         expected = funcs["bitsandbytes"](packed, state)
-        assert torch.equal(kernel.dequantize_nf4(packed, state), expected), "not bit-exact"
+        for name, fn in funcs.items():
+            if name != "floor (no decode)":
+                assert torch.equal(fn(packed, state), expected), f"{name} is not bit-exact with bitsandbytes"
         samples = {name: [] for name in funcs}
         for _ in range(rounds):
             for name, fn in funcs.items():
                 samples[name].append(do_bench(lambda: fn(packed, state))[0])
         for name, times in samples.items():
-            rows.append(timing_row(meta, "kernel", shape, dtype_name, name, summarize(times), roofline))
-        progress(f"{dtype_name} {shape}: " + ", ".join(
+            peak = extra_peak_bytes(lambda: funcs[name](packed, state))
+            rows.append(timing_row(meta, "kernel", shape, dtype_name, name, summarize(times), roofline, peak))
+        log(f"{dtype_name} {shape}: " + ", ".join(
             f"{r['implementation']} {r['median_us']:.1f} us ({r['pct_roofline']:.0f} %)"
             for r in rows[-len(funcs):]))
     return rows
@@ -165,7 +231,7 @@ def harness_seconds(fx, options_layers, iterations=1000):
     return total
 
 
-def bench_harness(rounds, meta, progress):
+def bench_harness(rounds, meta, log):
     """The challenge harness in interleaved rounds; rows hold seconds, ratios are printed."""
     funcs = {"nf4-triton": kernel.your_dequantize_nf4}
     try:
@@ -176,61 +242,96 @@ def bench_harness(rounds, meta, progress):
             funcs["unsloth-2025"] = lambda layer: unsloth_utils._fast_dequantize_ctypes(
                 layer.weight, layer.weight.quant_state)
     except Exception as error:
-        progress(f"unsloth: skipped in the harness ({type(error).__name__})")
+        log(f"unsloth: skipped in the harness ({type(error).__name__})")
     options_layers = [harness_layers(hd, m, seed, dtype) for _, _, hd, m, seed, dtype in HARNESS_OPTIONS]
     for fx in funcs.values():
         harness_seconds(fx, options_layers, iterations=20)  # warm-up: compile, plans, clocks
     samples = {name: [] for name in funcs}
-    for round_index in range(rounds):
+    for round_index in tqdm(range(rounds), desc="harness rounds"):
         for name, fx in funcs.items():
             samples[name].append(harness_seconds(fx, options_layers))
-        progress(f"harness round {round_index + 1}: " + ", ".join(f"{n} {s[-1]:.3f} s" for n, s in samples.items()))
+        log(f"harness round {round_index + 1}: " + ", ".join(f"{n} {s[-1]:.3f} s" for n, s in samples.items()))
     rows = []
     for name, times in samples.items():
         median, p20, p80 = summarize(times)
         rows.append(dict(meta, kind="harness", shape="3 options", dtype="fp16+bf16", implementation=name,
-                         median_us=median * 1e6, p20_us=p20 * 1e6, p80_us=p80 * 1e6, gbps=0.0, pct_roofline=0.0))
+                         median_us=median * 1e6, p20_us=p20 * 1e6, p80_us=p80 * 1e6, gbps=0.0, pct_roofline=0.0,
+                         extra_peak_bytes=0))
     ours = statistics.median(samples["nf4-triton"])
     for name, times in samples.items():
         if name != "nf4-triton":
             ratios = sorted(t / o for t, o in zip(times, samples["nf4-triton"]))
-            progress(f"harness speedup vs {name}: median of medians {statistics.median(times) / ours:.2f}x, "
+            log(f"harness speedup vs {name}: median of medians {statistics.median(times) / ours:.2f}x, "
                      f"per-round ratios {ratios[0]:.2f}..{ratios[-1]:.2f}")
     return rows
 
 
-def bench_compile(shapes, dtypes, roofline, meta, progress):
-    """Eager (launch plan) against torch.compile (default and reduce-overhead), do_bench medians."""
+def profiled_kernel_us(fn, calls=20):
+    """Mean GPU time of the dequantize kernel per call, from torch.profiler (no L2 flush)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and "_dequantize_4bit_kernel" in e.key]
+    return sum(e.device_time_total for e in kernels) / calls
+
+
+def compiled_modes(packed, state):
+    """name -> callable: eager and torch.compile of one dequantize call in several modes."""
+    modes = {"eager": lambda: kernel.dequantize_nf4(packed, state)}
+    for name, options in (("compiled-default", dict()),
+                          ("compiled-cpp-wrapper", dict(options={"cpp_wrapper": True})),
+                          ("compiled-reduce-overhead", dict(mode="reduce-overhead"))):
+        compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), fullgraph=True, **options)
+        modes[name] = lambda compiled=compiled: compiled(packed)
+    return modes
+
+
+def bench_compile(shapes, dtypes, roofline, meta, log):
+    """Eager (launch plan) against torch.compile: do_bench medians of the callable (host cost
+    included when it exceeds the L2 flush), and the profiler's kernel time inside it."""
     rows = []
     for dtype_name, shape, packed, state in weights(shapes, dtypes):
         expected = kernel.dequantize_nf4(packed, state)
-        modes = {"eager": lambda: kernel.dequantize_nf4(packed, state)}
-        for mode in ("default", "reduce-overhead"):
-            compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), mode=mode, fullgraph=True)
-            modes[f"compiled-{mode}"] = lambda compiled=compiled: compiled(packed)
-        for name, fn in modes.items():
+        torch._dynamo.reset()
+        for name, fn in compiled_modes(packed, state).items():
             for _ in range(3):
                 assert torch.equal(fn(), expected), name
             rows.append(timing_row(meta, "compile", shape, dtype_name, name, do_bench(fn), roofline))
-        progress(f"compile {dtype_name} {shape}: " + ", ".join(
-            f"{r['implementation']} {r['median_us']:.1f} us" for r in rows[-len(modes):]))
+            kernel_us = profiled_kernel_us(fn)
+            rows.append(timing_row(meta, "compile-kernel", shape, dtype_name, name, (kernel_us / 1e3,) * 3, roofline))
+        log(f"compile {dtype_name} {shape}: " + ", ".join(
+            f"{r['implementation']} {r['median_us']:.1f} us" + (" (kernel)" if r["kind"] == "compile-kernel" else "")
+            for r in rows[-8:]))
     return rows
 
 
-def bench_sweep(shapes, dtypes, roofline, meta, progress):
+SWEEP_CONFIGS = [dict(BYTES_PER_PROGRAM=b, num_warps=w, USE_ASM=True, EVICTION_HINTS=True)
+                 for b in (256, 512, 1024, 2048, 4096) for w in (2, 4, 8)]
+SWEEP_CONFIGS += [dict(BYTES_PER_PROGRAM=b, num_warps=4, USE_ASM=asm, EVICTION_HINTS=hints)
+                  for b in (256, 512, 1024, 2048, 4096) for asm, hints in ((False, True), (True, False))]
+
+
+def config_label(config):
+    return (f"bpp={config['BYTES_PER_PROGRAM']} warps={config['num_warps']} asm={config['USE_ASM']} "
+            f"hints={config['EVICTION_HINTS']}")
+
+
+def bench_sweep(shapes, dtypes, roofline, meta, log):
+    """Every SWEEP_CONFIGS entry on each weight (launch plans: no validation in the timing)."""
     rows = []
-    for dtype_name, shape, packed, state in weights(shapes, dtypes):
+    for dtype_name, shape, packed, state in tqdm(weights(shapes, dtypes), desc="sweep", total=len(shapes) * len(dtypes)):
         expected = kernel.dequantize_nf4(packed, state)
-        for bytes_per_program in (256, 512, 1024, 2048, 4096):
-            for num_warps in (2, 4, 8):
-                for use_asm in (True, False):
-                    config = dict(BYTES_PER_PROGRAM=bytes_per_program, num_warps=num_warps, USE_ASM=use_asm)
-                    fn = kernel._launch_plan(packed, state, **config).launch  # no validation per call
-                    assert torch.equal(fn(), expected)
-                    rows.append(timing_row(meta, "sweep", shape, dtype_name, f"bpp={bytes_per_program} "
-                                           f"warps={num_warps} asm={use_asm}", do_bench(fn), roofline))
-        best = min(rows[-30:], key=lambda r: r["median_us"])
-        progress(f"sweep {dtype_name} {shape}: best {best['implementation']} {best['median_us']:.1f} us")
+        for config in SWEEP_CONFIGS:
+            fn = kernel._launch_plan(packed, state, **config).launch
+            assert torch.equal(fn(), expected), config
+            rows.append(timing_row(meta, "sweep", shape, dtype_name, config_label(config), do_bench(fn), roofline))
+        best = min(rows[-len(SWEEP_CONFIGS):], key=lambda r: r["median_us"])
+        log(f"sweep {dtype_name} {shape}: best {best['implementation']} {best['median_us']:.1f} us")
     return rows
 
 
@@ -267,9 +368,9 @@ def plot(folder):
     sweep_csv = os.path.join(folder, "sweep.csv")
     if os.path.exists(sweep_csv):
         frame = pd.read_csv(sweep_csv)
-        config = frame["implementation"].str.extract(r"bpp=(\d+) warps=(\d+) asm=(\w+)")
+        config = frame["implementation"].str.extract(r"bpp=(\d+) (.*)")
         frame["bytes_per_program"] = config[0].astype(int)
-        frame["family"] = "warps=" + config[1] + " asm=" + config[2]
+        frame["family"] = config[1]
         groups = list(frame.groupby(["shape", "dtype"], sort=False))
         fig, axes = plt.subplots(2, (len(groups) + 1) // 2, figsize=(15, 8), squeeze=False)
         for ax, ((shape, dtype), rows) in zip(axes.flat, groups):
@@ -295,12 +396,14 @@ def main():
     parser.add_argument("--dtype", choices=["fp16", "bf16", "all"], default="all")
     parser.add_argument("--out", default="results", help="folder for CSVs (a per-GPU subfolder is made)")
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--no-harness", action="store_true")
-    parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--only-compile", action="store_true", help="only the torch.compile comparison")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     parser.add_argument("--plot", metavar="FOLDER", help="only draw the charts of a results folder")
     args = parser.parse_args()
+    sections = args.sections.split(",")
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {','.join(SECTIONS)}")
     if args.plot:
         print("\n".join(plot(args.plot)))
         return
@@ -326,20 +429,20 @@ def main():
     roofline = copy_roofline()
     print(f"device-to-device copy: {roofline:.0f} GB/s")
     rows = [dict(meta, kind="roofline", shape="", dtype="", implementation="copy", median_us=0.0, p20_us=0.0,
-                 p80_us=0.0, gbps=roofline, pct_roofline=100.0)]
-    if not args.only_compile:
-        rows += bench_kernels(shapes, dtypes, rounds, roofline, meta, print)
-    if not (args.no_harness or args.only_compile):
-        rows += bench_harness(rounds, meta, print)
-    if not args.no_compile:
-        rows += bench_compile(QUICK_SHAPES[:2], dtypes, roofline, meta, print)
-    if not (args.no_sweep or args.only_compile):
-        rows += bench_sweep(QUICK_SHAPES, dtypes, roofline, meta, print)
+                 p80_us=0.0, gbps=roofline, pct_roofline=100.0, extra_peak_bytes=0)]
+    if "kernels" in sections:
+        rows += bench_kernels(shapes, dtypes, rounds, roofline, meta, tqdm.write)
+    if "harness" in sections:
+        rows += bench_harness(rounds, meta, tqdm.write)
+    if "compile" in sections:
+        rows += bench_compile(QUICK_SHAPES[:2], dtypes, roofline, meta, tqdm.write)
+    if "sweep" in sections:
+        rows += bench_sweep(QUICK_SHAPES, dtypes, roofline, meta, tqdm.write)
 
     folder = os.path.join(args.out, "".join(c if c.isalnum() else "-" for c in gpu.lower()).strip("-"))
     os.makedirs(folder, exist_ok=True)
     for name, kinds in (("bench.csv", ("roofline", "kernel", "harness")), ("sweep.csv", ("sweep",)),
-                        ("compile.csv", ("roofline", "compile"))):
+                        ("compile.csv", ("roofline", "compile", "compile-kernel"))):
         selected = [row for row in rows if row["kind"] in kinds]
         if any(row["kind"] != "roofline" for row in selected):
             with open(os.path.join(folder, name), "w", newline="") as handle:

@@ -9,10 +9,13 @@ The format (bitsandbytes, ``compress_statistics=True``)::
 quantization ``scale(b)`` is the fp32 ``absmax[b]``. One launch decodes the absmax and forms the
 weight; the output is the only allocation.
 
-Bit-exactness rests on three facts, each tested on the GPU against bitsandbytes:
-- no fused multiply-add may form in the scale: the inline-PTX path uses ``mul.rn.f32`` and
+Bit-exactness rests on four facts, each tested on the GPU against bitsandbytes:
+- no fused multiply-add may form in the scale: the inline-PTX path uses ``mul.rn.ftz.f32`` and
   ``add.rn.f32`` (PTX never contracts instructions with an explicit rounding mode); the pure-Triton
   path is compiled with ``enable_fp_fusion=False``;
+- bitsandbytes' CUDA kernels are built with ``--use_fast_math``, so both multiplies flush
+  subnormal inputs and results to zero of the same sign; the offset is added by PyTorch and keeps
+  them (zero and near-zero blocks decode to +0.0 or -0.0 by these rules);
 - the casts to fp16 and bf16 round to nearest even; where the hardware has no fp32-to-bf16
   conversion (sm_75) or Triton's interpreter truncates, bf16 is rounded with integer operations;
 - 64-bit offsets are used once the element count passes 2**31 - 1.
@@ -47,19 +50,29 @@ _INT32_MAX = 2**31 - 1
 # Kernel
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _mul_rn(a, b, USE_ASM: tl.constexpr):
-    """fp32 product rounded once; the PTX form can never be contracted into an FMA."""
+def _flush_subnormal(x):
+    """A subnormal fp32 becomes a zero of the same sign, as the hardware's ``.ftz`` does."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return tl.where((bits & 0x7F800000) == 0, bits & 0x80000000, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mul_ftz(a, b, USE_ASM: tl.constexpr):
+    """fp32 product rounded once, subnormal inputs and result flushed to signed zero: the
+    multiply of bitsandbytes' CUDA kernels (built with ``--use_fast_math``). The PTX form can
+    never be contracted into an FMA."""
     if USE_ASM:
         return tl.inline_asm_elementwise(
-            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+            "mul.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
         )
     else:
-        return a * b
+        return _flush_subnormal(_flush_subnormal(a) * _flush_subnormal(b))
 
 
 @triton.jit
 def _add_rn(a, b, USE_ASM: tl.constexpr):
-    """fp32 sum rounded once (see ``_mul_rn``)."""
+    """fp32 sum rounded once, subnormals kept: the offset is added by PyTorch, not by a fast-math
+    kernel (see ``_mul_ftz``)."""
     if USE_ASM:
         return tl.inline_asm_elementwise(
             "add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
@@ -104,6 +117,7 @@ def _dequantize_4bit_kernel(
     USE_INT64: tl.constexpr,  # 64-bit offsets (n_elements > 2**31 - 1)
     USE_ASM: tl.constexpr,  # inline-PTX arithmetic (NVIDIA only)
     BF16_VIA_INT: tl.constexpr,  # round to bf16 with integer ops (sm_75, interpreter)
+    EVICTION_HINTS: tl.constexpr,  # evict_last on the tables, evict_first on the output
 ):
     # A tile is ROWS x COLS packed bytes; every row lies inside one quantization block, so the
     # scale is decoded once per row and broadcast along it.
@@ -116,37 +130,36 @@ def _dequantize_4bit_kernel(
         pid = pid.to(tl.int64)
     row_start = pid * BYTES_PER_PROGRAM + tl.arange(0, ROWS) * COLS  # [ROWS] first byte of row
     byte_offsets = row_start[:, None] + tl.arange(0, COLS)[None, :]  # [ROWS, COLS]
-    packed = tl.load(
-        packed_ptr + byte_offsets,
-        mask=byte_offsets < n_bytes,
-        other=0,
-        eviction_policy="evict_first",
-    )
+    # No eviction hint on the packed load: evict_first there cost 1.2 us at 14336x4096 and 3.5 us
+    # at 28672x8192 on the H100 (54.2 vs 55.4 us, 205.0 vs 208.5 us; NOTES.md, item 9).
+    packed = tl.load(packed_ptr + byte_offsets, mask=byte_offsets < n_bytes, other=0)
 
     block = row_start // BYTES_PER_BLOCK  # [ROWS]
     row_mask = row_start < n_bytes
+    # Tables (absmax, codebooks) are re-read by neighbouring programs: keep them (evict_last).
+    TABLE_HINT: tl.constexpr = "evict_last" if EVICTION_HINTS else ""
+    # The output is written once and never read here: let it go first (evict_first).
+    OUT_HINT: tl.constexpr = "evict_first" if EVICTION_HINTS else ""
     if NESTED:
-        absmax_q = tl.load(absmax_ptr + block, mask=row_mask, other=0, eviction_policy="evict_last")
-        absmax_code = tl.load(code2_ptr + absmax_q.to(tl.int32), eviction_policy="evict_last")
-        absmax2 = tl.load(
-            absmax2_ptr + block // BLOCKSIZE2, mask=row_mask, other=0, eviction_policy="evict_last"
-        )
+        absmax_q = tl.load(absmax_ptr + block, mask=row_mask, other=0, eviction_policy=TABLE_HINT)
+        absmax_code = tl.load(code2_ptr + absmax_q.to(tl.int32), eviction_policy=TABLE_HINT)
+        absmax2 = tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=row_mask, other=0, eviction_policy=TABLE_HINT)
         offset = tl.load(offset_ptr)
-        scale = _add_rn(_mul_rn(absmax_code, absmax2, USE_ASM), offset, USE_ASM)
+        scale = _add_rn(_mul_ftz(absmax_code, absmax2, USE_ASM), offset, USE_ASM)
     else:
-        scale = tl.load(absmax_ptr + block, mask=row_mask, other=0.0, eviction_policy="evict_last")
+        scale = tl.load(absmax_ptr + block, mask=row_mask, other=0.0, eviction_policy=TABLE_HINT)
     scale = tl.broadcast_to(scale[:, None], (ROWS, COLS))
 
-    high = tl.load(code_ptr + (packed >> 4).to(tl.int32), eviction_policy="evict_last")
-    low = tl.load(code_ptr + (packed & 0xF).to(tl.int32), eviction_policy="evict_last")
+    high = tl.load(code_ptr + (packed >> 4).to(tl.int32), eviction_policy=TABLE_HINT)
+    low = tl.load(code_ptr + (packed & 0xF).to(tl.int32), eviction_policy=TABLE_HINT)
     if FP4:
         # bitsandbytes' CUDA kernel forms an FP4 value as sign * magnitude, so code 8 decodes to
         # -0.0 where the table holds +0.0: set the sign bit from the nibble's top bit.
         bits = packed.to(tl.uint32)
         high = (high.to(tl.uint32, bitcast=True) | ((bits >> 7) << 31)).to(tl.float32, bitcast=True)
         low = (low.to(tl.uint32, bitcast=True) | (((bits >> 3) & 1) << 31)).to(tl.float32, bitcast=True)
-    high = _mul_rn(high, scale, USE_ASM)
-    low = _mul_rn(low, scale, USE_ASM)
+    high = _mul_ftz(high, scale, USE_ASM)
+    low = _mul_ftz(low, scale, USE_ASM)
     values = tl.join(high, low).reshape(ROWS, 2 * COLS)  # element 2j is byte j's high nibble
 
     if OUT_DTYPE == tl.bfloat16 and BF16_VIA_INT:
@@ -154,7 +167,7 @@ def _dequantize_4bit_kernel(
     else:
         values = values.to(OUT_DTYPE)
     out_offsets = 2 * row_start[:, None] + tl.arange(0, 2 * COLS)[None, :]
-    tl.store(out_ptr + out_offsets, values, mask=out_offsets < n_elements, eviction_policy="evict_first")
+    tl.store(out_ptr + out_offsets, values, mask=out_offsets < n_elements, eviction_policy=OUT_HINT)
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,7 +216,7 @@ def set_launch_config(bytes_per_program=None, num_warps=None):
 
 
 def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256, n_elements=0,
-                   use_asm=None, bf16_via_int=None, capability=None, bytes_per_program=None):
+                   use_asm=None, bf16_via_int=None, capability=None, bytes_per_program=None, eviction_hints=True):
     """The constexpr arguments of one kernel variant (also used by the AOT compile test)."""
     if capability is None:
         capability = _capability()
@@ -224,6 +237,7 @@ def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256
         USE_INT64=n_elements + 2 * bytes_per_program > _INT32_MAX,
         USE_ASM=use_asm,
         BF16_VIA_INT=bf16_via_int,
+        EVICTION_HINTS=eviction_hints,
     )
 
 

@@ -31,7 +31,8 @@ OUT_POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "
 
 
 def variants(capability):
-    """Every combination the wrapper can launch on a GPU of this capability."""
+    """Every combination the wrapper can launch on a GPU of this capability, and one with the
+    eviction hints off (the launch sweep's other family)."""
     for out_dtype, nested, fp4, use_asm, use_int64 in itertools.product(
         kernel.OUTPUT_DTYPES, (True, False), (False, True), (True, False), (False, True)
     ):
@@ -39,6 +40,8 @@ def variants(capability):
             out_dtype, nested=nested, fp4=fp4, n_elements=2**31 if use_int64 else 0, use_asm=use_asm,
             capability=capability,
         )
+    yield torch.float16, True, True, False, kernel.kernel_variant(
+        torch.float16, nested=True, use_asm=True, capability=capability, eviction_hints=False)
 
 
 def compile_variant(capability, out_dtype, nested, constexprs):
@@ -70,10 +73,11 @@ def main():
             "use_asm": use_asm,
             "use_int64": use_int64,
             "bf16_via_int": constexprs["BF16_VIA_INT"],
+            "eviction_hints": constexprs["EVICTION_HINTS"],
             "cubin_bytes": len(compiled.asm["cubin"]),
-            "asm_mul_rn": sum("mul.rn.f32" in block for block in asm_blocks),
+            "asm_mul_ftz": sum("mul.rn.ftz.f32" in block for block in asm_blocks),
             "asm_add_rn": sum("add.rn.f32" in block for block in asm_blocks),
-            "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)),
+            "fma": len(re.findall(r"\bfma\.rn(\.ftz)?\.f32", ptx)),
             "evict_first_loads": len(re.findall(r"ld\.global[.\w:]*evict_first", ptx)),
             "evict_last_loads": len(re.findall(r"ld\.global[.\w:]*evict_last", ptx)),
             "evict_first_stores": len(re.findall(r"st\.global[.\w:]*evict_first", ptx)),

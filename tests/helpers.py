@@ -4,7 +4,7 @@ import copy
 
 import torch
 
-from reference import fp4_signed
+from reference import dequantize_reference, fp4_signed
 
 
 def quantize(shape, *, dtype=torch.float16, nested=True, blocksize=64, quant_type="nf4",
@@ -56,6 +56,27 @@ def bnb_dequantize(packed, state):
     out = default_ops._dequantize_4bit_compute(packed.view(torch.uint8).reshape(-1), absmax.float(), code,
                                                state.blocksize, state.shape, state.dtype)
     return out.t() if packed.shape[0] == 1 else out
+
+
+def expected_values(packed, state):
+    """What bitsandbytes' CUDA kernel returns. On the GPU, that kernel. On the CPU, the reference:
+    bitsandbytes' CPU paths keep subnormals that its fast-math CUDA kernels flush, and the GPU tests
+    hold the reference equal to the CUDA kernel (fuzz, subnormal scales)."""
+    return bnb_dequantize(packed, state) if packed.is_cuda else dequantize_reference(packed, state)
+
+
+def with_subnormal_scales(state):
+    """A copy of ``state`` whose scales make both multiplies meet subnormal inputs or results."""
+    state = copy.deepcopy(state)
+    if state.nested:
+        pattern = torch.tensor([1e-39, 1e-36, 2e-38, 1.0])
+        state.state2.absmax = pattern.repeat(-(-state.state2.absmax.numel() // 4))[:state.state2.absmax.numel()]
+        state.state2.absmax = state.state2.absmax.to(state.absmax.device)
+        state.offset = torch.full_like(state.offset, 3e-41)
+    else:
+        pattern = torch.tensor([1e-40, 1e-37, 3e-38, 1.0, 0.0])
+        state.absmax = pattern.repeat(-(-state.absmax.numel() // 5))[:state.absmax.numel()].to(state.absmax.device)
+    return state
 
 
 def bit_exact(actual, expected):
