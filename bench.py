@@ -199,17 +199,54 @@ HARNESS_OPTIONS = [
 
 
 def harness_layers(hd, m, seed, dtype):
-    """The challenge's three Linear4bit layers (gate, up: hd -> m; down: m -> hd)."""
+    """The challenge's MLP: gate, up (hd -> m) and down (m -> hd) Linear4bit layers on CUDA."""
     import bitsandbytes as bnb
     from transformers import set_seed
 
     set_seed(seed)
     torch.set_default_dtype(torch.float32)
-    layers = [bnb.nn.Linear4bit(fan_in, fan_out, bias=None, compute_dtype=dtype, compress_statistics=True,
-                                quant_type="nf4").cuda() for fan_in, fan_out in ((hd, m), (hd, m), (m, hd))]
-    for layer in layers:
+    layers = {name: bnb.nn.Linear4bit(fan_in, fan_out, bias=None, compute_dtype=dtype, compress_statistics=True,
+                                      quant_type="nf4").cuda()
+              for name, (fan_in, fan_out) in (("gate", (hd, m)), ("up", (hd, m)), ("down", (m, hd)))}
+    for layer in layers.values():
         layer.weight.quant_state.dtype = dtype
     return layers
+
+
+def unsloth_fast_dequantize(log=print):
+    """Unsloth's fast_dequantize, or None with one line saying why."""
+    try:
+        from unsloth.kernels.utils import fast_dequantize
+
+        return fast_dequantize
+    except Exception as error:  # not installed, or no GPU for it
+        log(f"unsloth: skipped ({type(error).__name__}: {error})")
+        return None
+
+
+def challenge_check(fx, option, fast_dequantize=None):
+    """The harness's warm-up checks for one option (challenge.md), twice; raises on a mismatch.
+    Returns the largest |output| (finite when the forward is sane)."""
+    bsz, qlen, hd, m, seed, dtype = option
+    layers = harness_layers(hd, m, seed, dtype)
+    X = torch.randn((bsz, qlen, hd), device="cuda", dtype=dtype)
+    silu = torch.nn.functional.silu
+    for _ in range(2):
+        expected = layers["down"](silu(layers["gate"](X)) * layers["up"](X))
+        up = X @ fx(layers["up"]).t()
+        gate = X @ fx(layers["gate"]).t()
+        got = (silu(gate) * up) @ fx(layers["down"]).t()
+        torch.testing.assert_close(got, expected, check_stride=True)
+        assert got.dtype == dtype
+        for layer in layers.values():
+            state = layer.weight.quant_state
+            assert layer.weight.dtype == torch.uint8 and state.absmax.dtype == torch.uint8
+            assert state.code.dtype == torch.float32 and state.offset.dtype == torch.float32
+            assert state.blocksize == 64 and state.state2.blocksize == 256
+            assert state.state2.absmax.dtype == torch.float32 and state.state2.code.dtype == torch.float32
+            if fast_dequantize is not None:
+                assert torch.equal(fx(layer).t(), fast_dequantize(layer.weight, state).t())
+    return got.float().abs().max().item()
 
 
 def harness_seconds(fx, options_layers, iterations=1000):
@@ -217,7 +254,8 @@ def harness_seconds(fx, options_layers, iterations=1000):
     import time
 
     total = 0.0
-    for up, gate, down in options_layers:
+    for layers in options_layers:
+        up, gate, down = layers["up"], layers["gate"], layers["down"]
         torch.cuda.synchronize()
         start = time.time()
         for _ in range(iterations):
@@ -234,15 +272,14 @@ def harness_seconds(fx, options_layers, iterations=1000):
 def bench_harness(rounds, meta, log):
     """The challenge harness in interleaved rounds; rows hold seconds, ratios are printed."""
     funcs = {"nf4-triton": kernel.your_dequantize_nf4}
-    try:
+    fast_dequantize = unsloth_fast_dequantize(log)
+    if fast_dequantize is not None:
         from unsloth.kernels import utils as unsloth_utils
 
-        funcs["unsloth-fused"] = lambda layer: unsloth_utils.fast_dequantize(layer.weight, layer.weight.quant_state)
+        funcs["unsloth-fused"] = lambda layer: fast_dequantize(layer.weight, layer.weight.quant_state)
         if hasattr(unsloth_utils, "_fast_dequantize_ctypes"):
             funcs["unsloth-2025"] = lambda layer: unsloth_utils._fast_dequantize_ctypes(
                 layer.weight, layer.weight.quant_state)
-    except Exception as error:
-        log(f"unsloth: skipped in the harness ({type(error).__name__})")
     options_layers = [harness_layers(hd, m, seed, dtype) for _, _, hd, m, seed, dtype in HARNESS_OPTIONS]
     for fx in funcs.values():
         harness_seconds(fx, options_layers, iterations=20)  # warm-up: compile, plans, clocks
@@ -423,13 +460,11 @@ def main():
     shapes = QUICK_SHAPES if args.quick else SHAPES
     rounds = args.rounds or (3 if args.quick else 5)
     gpu = torch.cuda.get_device_name()
-    meta = dict(gpu=gpu, timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                python=platform.python_version(), **{f"{k}_version": v for k, v in versions().items()})
+    meta = run_metadata()
     print(meta)
     roofline = copy_roofline()
     print(f"device-to-device copy: {roofline:.0f} GB/s")
-    rows = [dict(meta, kind="roofline", shape="", dtype="", implementation="copy", median_us=0.0, p20_us=0.0,
-                 p80_us=0.0, gbps=roofline, pct_roofline=100.0, extra_peak_bytes=0)]
+    rows = [roofline_row(meta, roofline)]
     if "kernels" in sections:
         rows += bench_kernels(shapes, dtypes, rounds, roofline, meta, tqdm.write)
     if "harness" in sections:
@@ -439,7 +474,28 @@ def main():
     if "sweep" in sections:
         rows += bench_sweep(QUICK_SHAPES, dtypes, roofline, meta, tqdm.write)
 
-    folder = os.path.join(args.out, "".join(c if c.isalnum() else "-" for c in gpu.lower()).strip("-"))
+    folder = write_results(rows, os.path.join(args.out, gpu_slug(gpu)))
+    print("wrote", ", ".join(plot(folder)), "and the CSVs in", folder)
+
+
+def gpu_slug(name):
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+def run_metadata():
+    """GPU name, timestamp and versions: the first columns of every CSV row."""
+    return dict(gpu=torch.cuda.get_device_name(),
+                timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                python=platform.python_version(), **{f"{k}_version": v for k, v in versions().items()})
+
+
+def roofline_row(meta, roofline):
+    return dict(meta, kind="roofline", shape="", dtype="", implementation="copy", median_us=0.0, p20_us=0.0,
+                p80_us=0.0, gbps=roofline, pct_roofline=100.0, extra_peak_bytes=0)
+
+
+def write_results(rows, folder):
+    """bench.csv (roofline, kernels, harness), sweep.csv and compile.csv, each only if it has rows."""
     os.makedirs(folder, exist_ok=True)
     for name, kinds in (("bench.csv", ("roofline", "kernel", "harness")), ("sweep.csv", ("sweep",)),
                         ("compile.csv", ("roofline", "compile", "compile-kernel"))):
@@ -449,7 +505,7 @@ def main():
                 writer = csv.DictWriter(handle, fieldnames=list(selected[0].keys()))
                 writer.writeheader()
                 writer.writerows(selected)
-    print("wrote", ", ".join(plot(folder)), "and the CSVs in", folder)
+    return folder
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import bench
 import kernel
 from helpers import assert_bit_exact, bnb_dequantize, quantize
 
@@ -84,66 +85,12 @@ def test_caller_stream():
 
 
 # ---- the challenge's check (challenge.md), without its timing -----------------------------------
-HARNESS_OPTIONS = [
-    (2, 3333, 2048, 8192, 3407, torch.float16),
-    (5, 777, 1024, 4096, 3409, torch.bfloat16),
-    (3, 2048, 4096, 14336, 3408, torch.bfloat16),
-]
-
-
-def unsloth_fast_dequantize():
-    try:
-        from unsloth.kernels.utils import fast_dequantize
-    except Exception:  # unsloth is optional; without it the Unsloth comparison is skipped
-        return None
-    return fast_dequantize
-
-
-def make_mlp(hd, m, dtype):
-    import bitsandbytes as bnb
-
-    def linear(fan_in, fan_out):
-        return bnb.nn.Linear4bit(fan_in, fan_out, bias=None, compute_dtype=dtype, compress_statistics=True,
-                                 quant_type="nf4")
-
-    mlp = torch.nn.ModuleDict({"gate_proj": linear(hd, m), "up_proj": linear(hd, m), "down_proj": linear(m, hd)}).cuda()
-    for layer in mlp.values():
-        layer.weight.quant_state.dtype = dtype
-    return mlp
-
-
-def mlp_forward(mlp, X, fx):
-    up = X @ fx(mlp["up_proj"]).t()
-    gate = X @ fx(mlp["gate_proj"]).t()
-    h = torch.nn.functional.silu(gate) * up
-    return h @ fx(mlp["down_proj"]).t()
-
-
-@pytest.mark.parametrize("option", HARNESS_OPTIONS, ids=lambda o: f"{o[2]}x{o[3]}-{o[5]}")
+@pytest.mark.parametrize("option", bench.HARNESS_OPTIONS, ids=lambda o: f"{o[2]}x{o[3]}-{o[5]}")
 def test_challenge_check(option):
-    transformers = pytest.importorskip("transformers")
-    bsz, qlen, hd, m, seed, dtype = option
-    transformers.set_seed(seed)
-    torch.set_default_dtype(torch.float32)
-    mlp = make_mlp(hd, m, dtype)
-    X = torch.randn((bsz, qlen, hd), device="cuda", dtype=dtype)
-    fast_dequantize = unsloth_fast_dequantize()
-    for _ in range(2):
-        expected = mlp["down_proj"](torch.nn.functional.silu(mlp["gate_proj"](X)) * mlp["up_proj"](X))
-        got = mlp_forward(mlp, X, kernel.your_dequantize_nf4)
-        torch.testing.assert_close(got, expected, check_stride=True)
-        assert got.dtype == dtype
-        for layer in mlp.values():
-            state = layer.weight.quant_state
-            assert layer.weight.dtype == torch.uint8 and state.absmax.dtype == torch.uint8
-            assert state.code.dtype == torch.float32 and state.offset.dtype == torch.float32
-            assert state.blocksize == 64 and state.state2.blocksize == 256
-            assert state.state2.absmax.dtype == torch.float32 and state.state2.code.dtype == torch.float32
-            ours = kernel.your_dequantize_nf4(layer)
-            assert_bit_exact(ours, bnb_dequantize(layer.weight.data, state))
-            if fast_dequantize is not None:
-                assert torch.equal(ours.t(), fast_dequantize(layer.weight, state).t())
-    assert math.isfinite(got.float().abs().max().item())
+    """The challenge's own warm-up check (bench.challenge_check), with Unsloth's equality when installed."""
+    pytest.importorskip("transformers")
+    largest = bench.challenge_check(kernel.your_dequantize_nf4, option, bench.unsloth_fast_dequantize())
+    assert math.isfinite(largest)
 
 
 # ---- launch plans: the fast path must never serve stale results ---------------------------------
