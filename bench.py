@@ -32,8 +32,6 @@ SECTIONS = ("kernels", "harness", "compile", "sweep")
 
 
 def versions():
-    import triton
-
     found = {"torch": torch.__version__, "triton": triton.__version__}
     for name in ("bitsandbytes", "unsloth"):
         try:
@@ -47,18 +45,7 @@ def contenders(log=print):
     """name -> fn(packed, state); a missing package drops its contenders with one line."""
     import bitsandbytes.functional as F
 
-    found = {"nf4-triton": kernel.dequantize_nf4, "bitsandbytes": F.dequantize_4bit}
-    try:
-        from unsloth.kernels import utils as unsloth_utils
-
-        found["unsloth-fused"] = unsloth_utils.fast_dequantize
-        two_launch = getattr(unsloth_utils, "_fast_dequantize_ctypes", None)
-        if two_launch is not None:
-            found["unsloth-2025"] = two_launch
-        else:
-            log("unsloth: no _fast_dequantize_ctypes, the 2025 path is skipped")
-    except Exception as error:
-        log(f"unsloth: skipped ({type(error).__name__}: {error})")
+    found = {"nf4-triton": kernel.dequantize_nf4, "bitsandbytes": F.dequantize_4bit, **unsloth_functions(log)}
     try:
         from peft.utils.integrations import dequantize_module_weight
 
@@ -213,15 +200,25 @@ def harness_layers(hd, m, seed, dtype):
     return layers
 
 
-def unsloth_fast_dequantize(log=print):
-    """Unsloth's fast_dequantize, or None with one line saying why."""
+def unsloth_functions(log=print):
+    """Unsloth's fused fast_dequantize and its 2025 two-launch path, by contender name; a missing
+    one is left out with one line saying why."""
     try:
-        from unsloth.kernels.utils import fast_dequantize
-
-        return fast_dequantize
+        from unsloth.kernels import utils as unsloth_utils
     except Exception as error:  # not installed, or no GPU for it
         log(f"unsloth: skipped ({type(error).__name__}: {error})")
-        return None
+        return {}
+    found = {"unsloth-fused": unsloth_utils.fast_dequantize}
+    if hasattr(unsloth_utils, "_fast_dequantize_ctypes"):
+        found["unsloth-2025"] = unsloth_utils._fast_dequantize_ctypes
+    else:
+        log("unsloth: no _fast_dequantize_ctypes, the 2025 path is skipped")
+    return found
+
+
+def unsloth_fast_dequantize(log=print):
+    """Unsloth's fast_dequantize, or None (with one line saying why)."""
+    return unsloth_functions(log).get("unsloth-fused")
 
 
 def challenge_check(fx, option, fast_dequantize=None):
@@ -272,14 +269,8 @@ def harness_seconds(fx, options_layers, iterations=1000):
 def bench_harness(rounds, meta, log):
     """The challenge harness in interleaved rounds; rows hold seconds, ratios are printed."""
     funcs = {"nf4-triton": kernel.your_dequantize_nf4}
-    fast_dequantize = unsloth_fast_dequantize(log)
-    if fast_dequantize is not None:
-        from unsloth.kernels import utils as unsloth_utils
-
-        funcs["unsloth-fused"] = lambda layer: fast_dequantize(layer.weight, layer.weight.quant_state)
-        if hasattr(unsloth_utils, "_fast_dequantize_ctypes"):
-            funcs["unsloth-2025"] = lambda layer: unsloth_utils._fast_dequantize_ctypes(
-                layer.weight, layer.weight.quant_state)
+    for name, fn in unsloth_functions(log).items():
+        funcs[name] = lambda layer, fn=fn: fn(layer.weight, layer.weight.quant_state)
     options_layers = [harness_layers(hd, m, seed, dtype) for _, _, hd, m, seed, dtype in HARNESS_OPTIONS]
     for fx in funcs.values():
         harness_seconds(fx, options_layers, iterations=20)  # warm-up: compile, plans, clocks
