@@ -6,8 +6,11 @@
 Kernel times are ``triton.testing.do_bench`` medians (L2 flushed between runs), taken in rounds
 that interleave the contenders; the reported median is the median over rounds, p20/p80 the
 spread over rounds. Bandwidth counts n/2 packed + n/64 absmax + the output bytes, against the
-device-to-device copy measured in the same run. ``floor (no decode)`` is a measuring instrument,
-not a contender: a kernel that reads the packed bytes and writes the output with no decoding.
+device-to-device copy measured in the same run. Two measuring instruments run beside the
+contenders: ``floor (no decode)``, a kernel that reads the packed bytes and writes the output with
+no decoding, and ``copy (same bytes)``, a device-to-device copy of as many bytes as the weight's
+dequantization moves. The harness carries a third: an fx that only allocates and launches an
+empty kernel.
 Without a GPU it says so and runs a small correctness demo through the interpreter.
 """
 
@@ -53,7 +56,12 @@ def contenders(log=print):
     except Exception as error:
         log(f"peft: skipped ({type(error).__name__}: {error})")
     found["floor (no decode)"] = expand_floor
+    found["copy (same bytes)"] = same_bytes_copy
     return found
+
+
+# Measuring instruments among the contenders: they move the same bytes but do not dequantize.
+INSTRUMENTS = ("floor (no decode)", "copy (same bytes)")
 
 
 def _linear4bit_view(packed, state):
@@ -90,6 +98,22 @@ def expand_floor(packed, state):
     bytes_per_program = kernel.launch_config(torch.cuda.get_device_capability())[0]
     _expand_floor_kernel[(triton.cdiv(n_bytes, bytes_per_program),)](packed, out, n_bytes, bytes_per_program)
     return out
+
+
+def same_bytes_copy(packed, state):
+    """A device-to-device copy moving as many bytes as the dequantization (half read, half
+    written): what the copy roofline reaches at this size, launch and ramp included."""
+    half = bytes_moved(tuple(state.shape), state.dtype) // 2
+    return torch.empty(half, dtype=torch.uint8, device=packed.device).copy_(_copy_source(half, packed.device))
+
+
+def _copy_source(n_bytes, device):
+    if _COPY_SOURCE.get(device) is None or _COPY_SOURCE[device].numel() < n_bytes:
+        _COPY_SOURCE[device] = torch.zeros(n_bytes, dtype=torch.uint8, device=device)
+    return _COPY_SOURCE[device][:n_bytes]
+
+
+_COPY_SOURCE = {}
 
 
 def make_weight(shape, dtype, seed=0):
@@ -163,7 +187,7 @@ def bench_kernels(shapes, dtypes, rounds, roofline, meta, log):
     for dtype_name, shape, packed, state in tqdm(cases, desc="kernels", total=len(shapes) * len(dtypes)):
         expected = funcs["bitsandbytes"](packed, state)
         for name, fn in funcs.items():
-            if name != "floor (no decode)":
+            if name not in INSTRUMENTS:
                 assert torch.equal(fn(packed, state), expected), f"{name} is not bit-exact with bitsandbytes"
         samples = {name: [] for name in funcs}
         for _ in range(rounds):
@@ -266,11 +290,40 @@ def harness_seconds(fx, options_layers, iterations=1000):
     return total
 
 
+@triton.jit
+def _empty_kernel(
+    out_ptr,  # the freshly allocated output, left untouched
+):
+    pass
+
+
+def harness_floor():
+    """An fx for the harness that allocates the output and launches an empty kernel through
+    Triton's compiled launcher: the host path every dequantizer pays, with no kernel time."""
+    compiled = _empty_kernel[(1,)](torch.empty(1, device="cuda"))
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+
+    def fx(layer):
+        state = layer.weight.quant_state
+        out = torch.empty(state.shape, dtype=state.dtype, device="cuda")
+        run(1, 1, 1, torch._C._cuda_getCurrentRawStream(out.device.index), function, metadata, None, None, None,
+            out.data_ptr())
+        return out
+
+    return fx
+
+
+HARNESS_FLOOR = "floor (alloc + empty launch)"
+
+
 def bench_harness(rounds, meta, log):
-    """The challenge harness in interleaved rounds; rows hold seconds, ratios are printed."""
+    """The challenge harness in interleaved rounds; rows hold seconds, ratios are printed. The
+    floor instrument runs in the same rounds: ours minus the floor is our kernel time plus
+    whatever host time we spend beyond the floor."""
     funcs = {"nf4-triton": kernel.your_dequantize_nf4}
     for name, fn in unsloth_functions(log).items():
         funcs[name] = lambda layer, fn=fn: fn(layer.weight, layer.weight.quant_state)
+    funcs[HARNESS_FLOOR] = harness_floor()
     options_layers = [harness_layers(hd, m, seed, dtype) for _, _, hd, m, seed, dtype in HARNESS_OPTIONS]
     for fx in funcs.values():
         harness_seconds(fx, options_layers, iterations=20)  # warm-up: compile, plans, clocks
@@ -286,8 +339,9 @@ def bench_harness(rounds, meta, log):
                          median_us=median * 1e6, p20_us=p20 * 1e6, p80_us=p80 * 1e6, gbps=0.0, pct_roofline=0.0,
                          extra_peak_bytes=0))
     ours = statistics.median(samples["nf4-triton"])
+    log(f"harness: ours {ours:.3f} s, {HARNESS_FLOOR} {statistics.median(samples[HARNESS_FLOOR]):.3f} s")
     for name, times in samples.items():
-        if name != "nf4-triton":
+        if name not in ("nf4-triton", HARNESS_FLOOR):
             ratios = sorted(t / o for t, o in zip(times, samples["nf4-triton"]))
             log(f"harness speedup vs {name}: median of medians {statistics.median(times) / ours:.2f}x, "
                      f"per-round ratios {ratios[0]:.2f}..{ratios[-1]:.2f}")
@@ -319,6 +373,21 @@ def compiled_modes(packed, state):
     return modes
 
 
+def compile_references(packed, state, log):
+    """The same timing for graphs that are not ours, eager and compiled (default mode): PyTorch's
+    own one-kernel graph (``x * 2`` on a tensor of the output's size) and Unsloth's fused kernel.
+    They show how much of a compiled call's cost is the graph's, whoever's kernel is inside."""
+    x = torch.zeros(tuple(state.shape), dtype=state.dtype, device=packed.device)
+    twice = torch.compile(lambda tensor: tensor * 2, fullgraph=True)
+    references = {"x*2 eager": lambda: x * 2, "x*2 compiled-default": lambda: twice(x)}
+    fused = unsloth_fast_dequantize(log)
+    if fused is not None:
+        compiled_fused = torch.compile(lambda weight: fused(weight, state), fullgraph=True)
+        references["unsloth-fused eager"] = lambda: fused(packed, state)
+        references["unsloth-fused compiled-default"] = lambda: compiled_fused(packed)
+    return references
+
+
 def bench_compile(shapes, dtypes, roofline, meta, log):
     """Eager (launch plan) against torch.compile: do_bench medians of the callable (host cost
     included when it exceeds the L2 flush), and the profiler's kernel time inside it."""
@@ -326,27 +395,37 @@ def bench_compile(shapes, dtypes, roofline, meta, log):
     for dtype_name, shape, packed, state in weights(shapes, dtypes):
         expected = kernel.dequantize_nf4(packed, state)
         torch._dynamo.reset()
+        first = len(rows)
         for name, fn in compiled_modes(packed, state).items():
             for _ in range(3):
                 assert torch.equal(fn(), expected), name
             rows.append(timing_row(meta, "compile", shape, dtype_name, name, do_bench(fn), roofline))
             kernel_us = profiled_kernel_us(fn)
             rows.append(timing_row(meta, "compile-kernel", shape, dtype_name, name, (kernel_us / 1e3,) * 3, roofline))
+        for name, fn in compile_references(packed, state, log).items():
+            fn()
+            rows.append(timing_row(meta, "compile-reference", shape, dtype_name, name, do_bench(fn), roofline))
         log(f"compile {dtype_name} {shape}: " + ", ".join(
             f"{r['implementation']} {r['median_us']:.1f} us" + (" (kernel)" if r["kind"] == "compile-kernel" else "")
-            for r in rows[-8:]))
+            for r in rows[first:]))
     return rows
 
 
+# Bytes per program x warps with everything on; then, at 4 warps, one thing off at a time: the
+# inline PTX, the eviction hints, the int32 word loads (loads=auto takes words on these shapes).
 SWEEP_CONFIGS = [dict(BYTES_PER_PROGRAM=b, num_warps=w, USE_ASM=True, EVICTION_HINTS=True)
                  for b in (256, 512, 1024, 2048, 4096) for w in (2, 4, 8)]
-SWEEP_CONFIGS += [dict(BYTES_PER_PROGRAM=b, num_warps=4, USE_ASM=asm, EVICTION_HINTS=hints)
-                  for b in (256, 512, 1024, 2048, 4096) for asm, hints in ((False, True), (True, False))]
+SWEEP_CONFIGS += [dict(BYTES_PER_PROGRAM=b, num_warps=4, **change)
+                  for b in (256, 512, 1024, 2048, 4096)
+                  for change in (dict(USE_ASM=False, EVICTION_HINTS=True),
+                                 dict(USE_ASM=True, EVICTION_HINTS=False, STREAM_STORES=False),
+                                 dict(USE_ASM=True, EVICTION_HINTS=True, WORD_LOADS=False))]
 
 
 def config_label(config):
+    loads = "bytes" if config.get("WORD_LOADS", True) is False else "auto"
     return (f"bpp={config['BYTES_PER_PROGRAM']} warps={config['num_warps']} asm={config['USE_ASM']} "
-            f"hints={config['EVICTION_HINTS']}")
+            f"hints={config['EVICTION_HINTS']} loads={loads}")
 
 
 def bench_sweep(shapes, dtypes, roofline, meta, log):
@@ -489,7 +568,7 @@ def write_results(rows, folder):
     """bench.csv (roofline, kernels, harness), sweep.csv and compile.csv, each only if it has rows."""
     os.makedirs(folder, exist_ok=True)
     for name, kinds in (("bench.csv", ("roofline", "kernel", "harness")), ("sweep.csv", ("sweep",)),
-                        ("compile.csv", ("roofline", "compile", "compile-kernel"))):
+                        ("compile.csv", ("roofline", "compile", "compile-kernel", "compile-reference"))):
         selected = [row for row in rows if row["kind"] in kinds]
         if any(row["kind"] != "roofline" for row in selected):
             with open(os.path.join(folder, name), "w", newline="") as handle:

@@ -115,31 +115,28 @@ def _dequantize_4bit_kernel(
     # implementation
     BYTES_PER_PROGRAM: tl.constexpr,  # packed bytes per program (power of two)
     USE_INT64: tl.constexpr,  # 64-bit offsets (n_elements > 2**31 - 1)
+    WORD_LOADS: tl.constexpr,  # read the packed bytes as int32 words (4-byte aligned, n_bytes % 4 == 0,
+    #                            BLOCKSIZE % 8 == 0); else byte loads
     USE_ASM: tl.constexpr,  # inline-PTX arithmetic (NVIDIA only)
     BF16_VIA_INT: tl.constexpr,  # round to bf16 with integer ops (sm_75, interpreter)
-    EVICTION_HINTS: tl.constexpr,  # evict_last on the tables, evict_first on the output
+    EVICTION_HINTS: tl.constexpr,  # evict_last on the tables
+    STREAM_STORES: tl.constexpr,  # evict_first on the output stores (outputs of several L2 sizes)
 ):
     # A tile is ROWS x COLS packed bytes; every row lies inside one quantization block, so the
     # scale is decoded once per row and broadcast along it.
     BYTES_PER_BLOCK: tl.constexpr = BLOCKSIZE // 2
     COLS: tl.constexpr = BYTES_PER_BLOCK if BYTES_PER_BLOCK < BYTES_PER_PROGRAM else BYTES_PER_PROGRAM
     ROWS: tl.constexpr = BYTES_PER_PROGRAM // COLS
+    # Tables (absmax, codebooks) are re-read by neighbouring programs: keep them (evict_last).
+    TABLE_HINT: tl.constexpr = "evict_last" if EVICTION_HINTS else ""
+    OUT_HINT: tl.constexpr = "evict_first" if STREAM_STORES else ""
 
     pid = tl.program_id(0)
     if USE_INT64:
         pid = pid.to(tl.int64)
     row_start = pid * BYTES_PER_PROGRAM + tl.arange(0, ROWS) * COLS  # [ROWS] first byte of row
-    byte_offsets = row_start[:, None] + tl.arange(0, COLS)[None, :]  # [ROWS, COLS]
-    # No eviction hint on the packed load: evict_first there cost 1.2 us at 14336x4096 and 3.5 us
-    # at 28672x8192 on the H100 (54.2 vs 55.4 us, 205.0 vs 208.5 us; NOTES.md, item 9).
-    packed = tl.load(packed_ptr + byte_offsets, mask=byte_offsets < n_bytes, other=0)
-
-    block = row_start // BYTES_PER_BLOCK  # [ROWS]
     row_mask = row_start < n_bytes
-    # Tables (absmax, codebooks) are re-read by neighbouring programs: keep them (evict_last).
-    TABLE_HINT: tl.constexpr = "evict_last" if EVICTION_HINTS else ""
-    # The output is written once and never read here: let it go first (evict_first).
-    OUT_HINT: tl.constexpr = "evict_first" if EVICTION_HINTS else ""
+    block = row_start // BYTES_PER_BLOCK  # [ROWS]
     if NESTED:
         absmax_q = tl.load(absmax_ptr + block, mask=row_mask, other=0, eviction_policy=TABLE_HINT)
         absmax_code = tl.load(code2_ptr + absmax_q.to(tl.int32), eviction_policy=TABLE_HINT)
@@ -148,19 +145,32 @@ def _dequantize_4bit_kernel(
         scale = _add_rn(_mul_ftz(absmax_code, absmax2, USE_ASM), offset, USE_ASM)
     else:
         scale = tl.load(absmax_ptr + block, mask=row_mask, other=0.0, eviction_policy=TABLE_HINT)
-    scale = tl.broadcast_to(scale[:, None], (ROWS, COLS))
 
-    high = tl.load(code_ptr + (packed >> 4).to(tl.int32), eviction_policy=TABLE_HINT)
-    low = tl.load(code_ptr + (packed & 0xF).to(tl.int32), eviction_policy=TABLE_HINT)
+    # The 4-bit codes in output order, [ROWS, 2 * COLS]: element 2j is byte j's high nibble.
+    # No eviction hint on the packed load: evict_first there cost 1.2 us at 14336x4096 and 3.5 us
+    # at 28672x8192 on the H100 (54.2 vs 55.4 us, 205.0 vs 208.5 us; NOTES.md, item 9).
+    if WORD_LOADS:
+        # int32 words, little-endian: byte k holds bits 8k..8k+7, so the word's element e sits at
+        # bit 8 * (e // 2), plus 4 for the high nibble (even e).
+        WORDS_PER_ROW: tl.constexpr = COLS // 4
+        word_offsets = row_start[:, None] // 4 + tl.arange(0, WORDS_PER_ROW)[None, :]
+        words = tl.load(packed_ptr.to(tl.pointer_type(tl.int32)) + word_offsets, mask=word_offsets < n_bytes // 4,
+                        other=0)
+        element = tl.arange(0, 8)
+        shifts = 8 * (element // 2) + 4 * (1 - element % 2)
+        codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, (ROWS, 2 * COLS))
+    else:
+        byte_offsets = row_start[:, None] + tl.arange(0, COLS)[None, :]
+        packed = tl.load(packed_ptr + byte_offsets, mask=byte_offsets < n_bytes, other=0).to(tl.int32)
+        codes = tl.join(packed >> 4, packed & 0xF).reshape(ROWS, 2 * COLS)
+
+    values = tl.load(code_ptr + codes, eviction_policy=TABLE_HINT)
     if FP4:
         # bitsandbytes' CUDA kernel forms an FP4 value as sign * magnitude, so code 8 decodes to
-        # -0.0 where the table holds +0.0: set the sign bit from the nibble's top bit.
-        bits = packed.to(tl.uint32)
-        high = (high.to(tl.uint32, bitcast=True) | ((bits >> 7) << 31)).to(tl.float32, bitcast=True)
-        low = (low.to(tl.uint32, bitcast=True) | (((bits >> 3) & 1) << 31)).to(tl.float32, bitcast=True)
-    high = _mul_ftz(high, scale, USE_ASM)
-    low = _mul_ftz(low, scale, USE_ASM)
-    values = tl.join(high, low).reshape(ROWS, 2 * COLS)  # element 2j is byte j's high nibble
+        # -0.0 where the table holds +0.0: set the sign bit from the code's top bit.
+        sign = (codes >> 3).to(tl.uint32) << 31
+        values = (values.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    values = _mul_ftz(values, tl.broadcast_to(scale[:, None], (ROWS, 2 * COLS)), USE_ASM)
 
     if OUT_DTYPE == tl.bfloat16 and BF16_VIA_INT:
         values = _fp32_to_bf16_rne(values)
@@ -215,11 +225,25 @@ def set_launch_config(bytes_per_program=None, num_warps=None):
     _PLANS.clear()  # plans hold kernels compiled for the old configuration
 
 
-def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256, n_elements=0,
-                   use_asm=None, bf16_via_int=None, capability=None, bytes_per_program=None, eviction_hints=True):
-    """The constexpr arguments of one kernel variant (also used by the AOT compile test)."""
+# The output is written once and never read here, yet evict_first on its stores pays only for
+# outputs of several L2 sizes. H100 (50 MB L2), do_bench medians, 8 rounds, fp16 / bf16, store
+# hint on minus off: +0.3 / +0.1 us at 34 MB of output, +1.1 / +0.7 us at 117 MB,
+# +0.0 / +1.0 us at 134 MB, +0.2 / -0.1 us at 235 MB, -0.6 / -0.3 us at 268 MB,
+# -0.9 / -0.9 us at 470 MB, -1.9 / -1.9 us at 940 MB (NOTES.md, item 15). The same multiple of
+# the L2 is a guess for the T4 (4 MB) and the L4 (48 MB).
+STREAM_STORES_L2_MULTIPLE = 4
+
+
+def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256, n_elements=0, word_aligned=True,
+                   use_asm=None, bf16_via_int=None, capability=None, l2_bytes=None, bytes_per_program=None,
+                   eviction_hints=True):
+    """The constexpr arguments of one kernel variant (also used by the AOT compile test).
+    ``word_aligned``: the packed bytes start on a 4-byte boundary; ``capability`` and ``l2_bytes``
+    default to the current device's."""
     if capability is None:
-        capability = _capability()
+        capability = _device_facts()[0]
+    if l2_bytes is None:
+        l2_bytes = _device_facts()[1]
     if bytes_per_program is None:
         bytes_per_program = launch_config(capability)[0]
     if use_asm is None:
@@ -235,9 +259,11 @@ def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256
         BYTES_PER_PROGRAM=bytes_per_program,
         # Offsets reach 2 * (n_bytes + bytes_per_program): past int32, compute them in int64.
         USE_INT64=n_elements + 2 * bytes_per_program > _INT32_MAX,
+        WORD_LOADS=word_aligned and blocksize % 8 == 0 and (n_elements + 1) // 2 % 4 == 0,
         USE_ASM=use_asm,
         BF16_VIA_INT=bf16_via_int,
         EVICTION_HINTS=eviction_hints,
+        STREAM_STORES=eviction_hints and 0 < STREAM_STORES_L2_MULTIPLE * l2_bytes <= n_elements * out_dtype.itemsize,
     )
 
 
@@ -250,16 +276,18 @@ def _is_nvidia():
     return torch.cuda.is_available() and torch.version.hip is None
 
 
-_CAPABILITIES = {}
+_DEVICE_FACTS = {}
 
 
-def _capability(device=None):
+def _device_facts(device=None):
+    """(compute capability, L2 bytes) of a CUDA device; ((0, 0), 0) without one."""
     if INTERPRET or not torch.cuda.is_available():
-        return (0, 0)
+        return (0, 0), 0
     index = torch.cuda.current_device() if device is None or device.index is None else device.index
-    if index not in _CAPABILITIES:
-        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITIES[index]
+    if index not in _DEVICE_FACTS:
+        properties = torch.cuda.get_device_properties(index)
+        _DEVICE_FACTS[index] = (properties.major, properties.minor), properties.L2_cache_size
+    return _DEVICE_FACTS[index]
 
 
 # --------------------------------------------------------------------------------------------
@@ -405,14 +433,25 @@ def _validate_and_launch(weight, quant_state, out, overrides):
     return (out.t() if transpose else out), plan
 
 
-def _launch_setup(dtype, device, n_elements, blocksize, blocksize2, nested, fp4, overrides):
+def _word_aligned(packed):
+    """Whether the packed bytes start on a 4-byte boundary. Inside torch.compile the tensors are
+    fake and have no address: there the storage offset decides, and Inductor copies an input
+    that arrives less aligned than the one it compiled for."""
+    try:
+        return packed.data_ptr() % 4 == 0
+    except RuntimeError:
+        return packed.storage_offset() * packed.element_size() % 4 == 0
+
+
+def _launch_setup(packed, dtype, n_elements, blocksize, blocksize2, nested, fp4, overrides):
     """Constexprs, warps, packed byte count and grid of one launch (overrides: tests, sweeps)."""
     overrides = dict(overrides)
-    capability = _capability(device)
+    capability, l2_bytes = _device_facts(packed.device)
     bytes_per_program, num_warps = launch_config(capability)
     num_warps = overrides.pop("num_warps", num_warps)
     variant = kernel_variant(dtype, nested=nested, fp4=fp4, blocksize=blocksize, blocksize2=blocksize2,
-                             n_elements=n_elements, capability=capability,
+                             n_elements=n_elements, word_aligned=_word_aligned(packed), capability=capability,
+                             l2_bytes=l2_bytes,
                              bytes_per_program=overrides.pop("BYTES_PER_PROGRAM", bytes_per_program))
     variant.update(overrides)
     n_bytes = (n_elements + 1) // 2
@@ -422,7 +461,7 @@ def _launch_setup(dtype, device, n_elements, blocksize, blocksize2, nested, fp4,
 def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4, **overrides):
     """Launch through Triton's JIT; return (compiled kernel, grid, arguments) for a launch plan."""
     absmax, code, absmax2, code2, offset = tables
-    variant, num_warps, n_bytes, grid = _launch_setup(out.dtype, out.device, n_elements, blocksize, blocksize2,
+    variant, num_warps, n_bytes, grid = _launch_setup(packed, out.dtype, n_elements, blocksize, blocksize2,
                                                       nested, fp4, overrides)
     options = {} if INTERPRET else compile_options(variant["USE_ASM"])
     args = (packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes)
@@ -470,7 +509,7 @@ def _dequantize_op(
     n_elements = out.numel()
     if n_elements == 0:
         return out
-    variant, num_warps, n_bytes, grid = _launch_setup(dtype, packed.device, n_elements, blocksize, blocksize2,
+    variant, num_warps, n_bytes, grid = _launch_setup(packed, dtype, n_elements, blocksize, blocksize2,
                                                       nested, fp4, {})
     # The interpreter's kernel is launched as it is (older torch refuses to wrap it).
     kernel = _dequantize_4bit_kernel if INTERPRET else torch.library.wrap_triton(_dequantize_4bit_kernel)

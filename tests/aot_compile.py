@@ -27,21 +27,26 @@ POINTERS = {
     "absmax2_ptr": "*fp32",
     "offset_ptr": "*fp32",
 }
+L2_BYTES = 50 * 2**20  # the H100's
 OUT_POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 
 
 def variants(capability):
-    """Every combination the wrapper can launch on a GPU of this capability, and one with the
-    eviction hints off (the launch sweep's other family)."""
+    """Every combination the wrapper can launch on a GPU of this capability (word loads where the
+    packed bytes allow them, byte loads elsewhere), and one with the eviction hints off (the
+    launch sweep's other family)."""
+    facts = dict(capability=capability, l2_bytes=L2_BYTES)
     for out_dtype, nested, fp4, use_asm, use_int64 in itertools.product(
         kernel.OUTPUT_DTYPES, (True, False), (False, True), (True, False), (False, True)
     ):
+        # 2**31 elements: 64-bit offsets, and an output large enough for streaming stores
         yield out_dtype, nested, use_asm, use_int64, kernel.kernel_variant(
-            out_dtype, nested=nested, fp4=fp4, n_elements=2**31 if use_int64 else 0, use_asm=use_asm,
-            capability=capability,
-        )
+            out_dtype, nested=nested, fp4=fp4, n_elements=2**31 if use_int64 else 0, use_asm=use_asm, **facts)
+    for out_dtype, nested, fp4 in itertools.product(kernel.OUTPUT_DTYPES, (True, False), (False, True)):
+        yield out_dtype, nested, True, False, kernel.kernel_variant(
+            out_dtype, nested=nested, fp4=fp4, n_elements=2, use_asm=True, **facts)
     yield torch.float16, True, True, False, kernel.kernel_variant(
-        torch.float16, nested=True, use_asm=True, capability=capability, eviction_hints=False)
+        torch.float16, nested=True, use_asm=True, eviction_hints=False, **facts)
 
 
 def compile_variant(capability, out_dtype, nested, constexprs):
@@ -74,6 +79,8 @@ def main():
             "use_int64": use_int64,
             "bf16_via_int": constexprs["BF16_VIA_INT"],
             "eviction_hints": constexprs["EVICTION_HINTS"],
+            "word_loads": constexprs["WORD_LOADS"],
+            "stream_stores": constexprs["STREAM_STORES"],
             "cubin_bytes": len(compiled.asm["cubin"]),
             "asm_mul_ftz": sum("mul.rn.ftz.f32" in block for block in asm_blocks),
             "asm_add_rn": sum("add.rn.f32" in block for block in asm_blocks),

@@ -1,7 +1,7 @@
 """Every kernel variant compiles to a cubin for sm_75, sm_80, sm_89 and sm_90, without a GPU.
 
 Also reads the PTX: the inline asm is there (and does the arithmetic: no FMA anywhere), and the
-output and the small tables carry their eviction hints.
+small tables and (for large outputs) the output stores carry their eviction hints.
 """
 
 import json
@@ -22,13 +22,14 @@ def compiled(request):
                             capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 3 * 2 * 2 * 2 * 2 + 1, result.stdout
+    assert len(rows) == 3 * 2 * 2 * 2 * 2 + 3 * 2 * 2 + 1, result.stdout
     return request.param, rows
 
 
 def test_cubin_for_every_variant(compiled):
     _, rows = compiled
     assert all(row["cubin_bytes"] > 0 for row in rows)
+    assert {row["word_loads"] for row in rows} == {True, False}
 
 
 def test_inline_asm_does_the_arithmetic(compiled):
@@ -43,14 +44,16 @@ def test_inline_asm_does_the_arithmetic(compiled):
 
 
 def test_eviction_hints(compiled):
-    """Hints on: tables evict_last, output stores evict_first, and no hint on the packed load
-    (measured slower with one). Hints off: none at all."""
+    """Tables evict_last when the hints are on; output stores evict_first only for outputs of
+    several L2 sizes; never a hint on the packed load (measured slower with one)."""
     _, rows = compiled
-    assert any(not row["eviction_hints"] for row in rows)
+    assert {row["eviction_hints"] for row in rows} == {True, False}
+    assert {row["stream_stores"] for row in rows} == {True, False}
     for row in rows:
         assert row["evict_first_loads"] == 0, row
-        assert (row["evict_first_stores"] > 0) == row["eviction_hints"], row
         assert (row["evict_last_loads"] > 0) == row["eviction_hints"], row
+        assert (row["evict_first_stores"] > 0) == row["stream_stores"], row
+        assert not row["stream_stores"] or row["eviction_hints"], row
 
 
 def test_bf16_rounding_path(compiled):

@@ -57,6 +57,21 @@ def test_transposed_layout_compiles(device):
     assert_bit_exact(compiled(flat), kernel.dequantize_nf4(flat, state))
 
 
+@pytest.mark.parametrize("start", [1, 2, 4])
+def test_misaligned_packed_after_compile(start, device):
+    """Compiled for a 4-byte aligned weight (int32 word loads), then called with one that starts
+    off that boundary: still eager's bits, no fault."""
+    packed, state = quantize((32, 256), device=device, seed=3)
+    expected = kernel.dequantize_nf4(packed, state)
+    compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), fullgraph=True)
+    assert_bit_exact(compiled(packed), expected)
+    buffer = torch.zeros(packed.numel() + 8, dtype=torch.uint8, device=device)
+    view = buffer[start:start + packed.numel()].view(packed.shape)
+    view.copy_(packed)
+    assert_bit_exact(compiled(view), expected)
+    assert_bit_exact(compiled(packed), expected)
+
+
 def test_mlp_forward_fullgraph(device):
     """The challenge's MLP forward, compiled whole: no graph break, eager's weights bit for bit inside
     the graph, and the same output as the same compiled MLP fed eager's dense weights (Inductor fuses

@@ -14,17 +14,20 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
+@pytest.mark.parametrize("byte_loads", [False, True], ids=["auto-loads", "byte-loads"])
 @pytest.mark.parametrize("bf16_via_int", [False, True], ids=["native-cvt", "int-rne"])
 @pytest.mark.parametrize("use_asm", [True, False], ids=["asm", "pure-triton"])
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(3, 100), (17, 129), (1024, 4096 + 64)], ids=str)
-def test_every_variant(shape, dtype, nested, quant_type, use_asm, bf16_via_int):
-    """The inline-PTX and pure-Triton paths, and both bf16 roundings, give bitsandbytes' bits."""
+def test_every_variant(shape, dtype, nested, quant_type, use_asm, bf16_via_int, byte_loads):
+    """The inline-PTX and pure-Triton paths, both bf16 roundings and both load widths (the wrapper
+    picks words for the last shape, bytes for the odd ones) give bitsandbytes' bits."""
     packed, state = quantize(shape, dtype=dtype, nested=nested, quant_type=quant_type, device="cuda",
                              seed=shape[0])
-    got = kernel._dequantize(packed, state, None, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int)
+    overrides = dict(WORD_LOADS=False) if byte_loads else {}
+    got = kernel._dequantize(packed, state, None, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int, **overrides)
     assert_bit_exact(got, bnb_dequantize(packed, state))
 
 

@@ -34,18 +34,43 @@ def test_shapes(shape, dtype, nested, device):
     check(packed, state)
 
 
+# (33, 257): an odd byte count, read byte by byte; (32, 256): read as int32 words.
+LOAD_SHAPES = [(33, 257), (32, 256)]
+
+
 @pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
 @pytest.mark.parametrize("blocksize", [32, 64, 128, 256, 512, 1024, 2048, 4096])
-def test_blocksizes(blocksize, nested, device):
-    packed, state = quantize((33, 257), blocksize=blocksize, nested=nested, device=device, seed=blocksize)
+@pytest.mark.parametrize("shape", LOAD_SHAPES, ids=str)
+def test_blocksizes(shape, blocksize, nested, device):
+    packed, state = quantize(shape, blocksize=blocksize, nested=nested, device=device, seed=blocksize)
     check(packed, state)
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fp4(dtype, nested, device):
-    packed, state = quantize((17, 129), dtype=dtype, nested=nested, quant_type="fp4", device=device, seed=4)
+@pytest.mark.parametrize("shape", LOAD_SHAPES, ids=str)
+def test_fp4(shape, dtype, nested, device):
+    packed, state = quantize(shape, dtype=dtype, nested=nested, quant_type="fp4", device=device, seed=4)
     check(packed, state)
+
+
+@pytest.mark.parametrize("start", [0, 1, 2, 3, 4])
+def test_packed_alignment(start, device):
+    """Word loads only where the packed bytes start on a 4-byte boundary; bytes elsewhere."""
+    packed, state = quantize((32, 256), device=device, seed=13)
+    buffer = torch.zeros(packed.numel() + 8, dtype=torch.uint8, device=device)
+    view = buffer[start:start + packed.numel()].view(packed.shape)
+    view.copy_(packed)
+    assert kernel._word_aligned(view) == (start % 4 == 0)
+    check(view, state)
+
+
+def test_byte_loads_forced(device):
+    """The byte-load path on a weight the word path would take gives the same bits."""
+    packed, state = quantize((64, 4096), dtype=torch.bfloat16, device=device, seed=14)
+    expected = bnb_dequantize(packed, state)
+    assert_bit_exact(kernel._dequantize(packed, state, None, WORD_LOADS=False), expected)
+    assert_bit_exact(kernel._dequantize(packed, state, None, WORD_LOADS=True), expected)
 
 
 @pytest.mark.parametrize("storage", [torch.uint8, torch.float16, torch.bfloat16, torch.float32], ids=str)
