@@ -119,7 +119,7 @@ def test_plan_after_requantization_in_place():
     assert_bit_exact(kernel.dequantize_nf4(packed, state), bnb_dequantize(new_packed, new_state))
 
 
-@pytest.mark.parametrize("change", ["absmax", "state2", "dtype", "blocksize-shape"])
+@pytest.mark.parametrize("change", ["absmax", "state2", "state2-absmax", "dtype", "blocksize-shape"])
 def test_plan_after_state_changes(change):
     packed, state = quantize((256, 320), device="cuda", seed=15)
     kernel.dequantize_nf4(packed, state)
@@ -128,6 +128,8 @@ def test_plan_after_state_changes(change):
         state.absmax = other.absmax
     elif change == "state2":
         state.state2, state.offset = other.state2, other.offset
+    elif change == "state2-absmax":
+        state.state2.absmax = other.state2.absmax * 2
     elif change == "dtype":
         state.dtype = torch.float32
     else:
@@ -145,6 +147,21 @@ def test_plan_dropped_with_its_state():
     del state
     gc.collect()
     assert key not in kernel._PLANS
+
+
+def test_state_without_dict_gets_no_plan():
+    """A quant state with __slots__ (no __dict__, no weakref) cannot be watched by a plan: every
+    call takes the validating path, and a rebound field is served fresh."""
+    packed, state = quantize((256, 320), device="cuda", seed=20)
+    fields = ("absmax", "shape", "code", "dtype", "blocksize", "quant_type", "offset", "state2", "nested")
+    slotted = type("SlottedState", (), {"__slots__": fields})()
+    for name in fields:
+        setattr(slotted, name, getattr(state, name))
+    for _ in range(2):
+        assert_bit_exact(kernel.dequantize_nf4(packed, slotted), bnb_dequantize(packed, state))
+    assert (packed.data_ptr(), id(slotted)) not in kernel._PLANS
+    state.absmax = slotted.absmax = state.absmax.flip(0)
+    assert_bit_exact(kernel.dequantize_nf4(packed, slotted), bnb_dequantize(packed, state))
 
 
 def test_plan_with_float_offset():
