@@ -196,11 +196,11 @@ def _dequantize_4bit_kernel(
 # (packed bytes per program, warps per program) by compute capability.
 #
 # sm_90 (H100, measured): 1024 packed bytes (2048 outputs) over 4 warps, 8 packed bytes and 16
-# outputs per thread. In the H100 sweep (results/nvidia-h100-80gb-hbm3/sweep.csv, 25 configurations
-# per shape, fp16 / bf16) it is within 1.5 us of the best at every swept shape:
-# 7.8 / 8.4 us at 4096x1024 (best 7.8 / 8.0), 55.6 / 56.0 us at 14336x4096 (best 54.7 / 54.5),
-# 204.8 / 205.4 us at 28672x8192 (best 204.8 / 204.4). Fewer bytes per thread loses badly
-# (256 bytes over 8 warps: 505 us at 28672x8192).
+# outputs per thread. In the H100 sweep (results/nvidia-h100-80gb-hbm3/sweep.csv, 30 configurations
+# per shape, fp16 / bf16) it is within 0.7 us of the best at every swept shape:
+# 8.1 / 7.4 us at 4096x1024 (best 7.4 / 7.4), 54.7 / 54.6 us at 14336x4096 (best 54.6 / 54.6),
+# 204.7 / 204.6 us at 28672x8192 (best 204.3 / 204.2). Fewer bytes per thread loses badly
+# (256 bytes over 8 warps: 523 us at 28672x8192).
 #
 # sm_75 (T4) and sm_89 (L4), reasoned from their specs, not measured: both need far fewer bytes
 # in flight than the H100. At 320 GB/s (T4) or 300 GB/s (L4) and about 1 us of DRAM latency,
