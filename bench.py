@@ -373,14 +373,14 @@ def compiled_modes(packed, state):
     return modes
 
 
-def compile_references(packed, state, log):
+def compile_references(packed, state, fused):
     """The same timing for graphs that are not ours, eager and compiled (default mode): PyTorch's
-    own one-kernel graph (``x * 2`` on a tensor of the output's size) and Unsloth's fused kernel.
-    They show how much of a compiled call's cost is the graph's, whoever's kernel is inside."""
+    own one-kernel graph (``x * 2`` on a tensor of the output's size) and Unsloth's fused kernel
+    (``fused``, or None without Unsloth). They show how much of a compiled call's cost is the
+    graph's, whoever's kernel is inside."""
     x = torch.zeros(tuple(state.shape), dtype=state.dtype, device=packed.device)
     twice = torch.compile(lambda tensor: tensor * 2, fullgraph=True)
     references = {"x*2 eager": lambda: x * 2, "x*2 compiled-default": lambda: twice(x)}
-    fused = unsloth_fast_dequantize(log)
     if fused is not None:
         compiled_fused = torch.compile(lambda weight: fused(weight, state), fullgraph=True)
         references["unsloth-fused eager"] = lambda: fused(packed, state)
@@ -392,6 +392,7 @@ def bench_compile(shapes, dtypes, roofline, meta, log):
     """Eager (launch plan) against torch.compile: do_bench medians of the callable (host cost
     included when it exceeds the L2 flush), and the profiler's kernel time inside it."""
     rows = []
+    fused = unsloth_fast_dequantize(log)
     for dtype_name, shape, packed, state in weights(shapes, dtypes):
         expected = kernel.dequantize_nf4(packed, state)
         torch._dynamo.reset()
@@ -402,7 +403,7 @@ def bench_compile(shapes, dtypes, roofline, meta, log):
             rows.append(timing_row(meta, "compile", shape, dtype_name, name, do_bench(fn), roofline))
             kernel_us = profiled_kernel_us(fn)
             rows.append(timing_row(meta, "compile-kernel", shape, dtype_name, name, (kernel_us / 1e3,) * 3, roofline))
-        for name, fn in compile_references(packed, state, log).items():
+        for name, fn in compile_references(packed, state, fused).items():
             fn()
             rows.append(timing_row(meta, "compile-reference", shape, dtype_name, name, do_bench(fn), roofline))
         log(f"compile {dtype_name} {shape}: " + ", ".join(

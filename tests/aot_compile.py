@@ -43,6 +43,7 @@ def variants(capability):
         yield out_dtype, nested, use_asm, use_int64, kernel.kernel_variant(
             out_dtype, nested=nested, fp4=fp4, n_elements=2**31 if use_int64 else 0, use_asm=use_asm, **facts)
     for out_dtype, nested, fp4 in itertools.product(kernel.OUTPUT_DTYPES, (True, False), (False, True)):
+        # 2 elements: one packed byte, not a whole word, so byte loads
         yield out_dtype, nested, True, False, kernel.kernel_variant(
             out_dtype, nested=nested, fp4=fp4, n_elements=2, use_asm=True, **facts)
     yield torch.float16, True, True, False, kernel.kernel_variant(
