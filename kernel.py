@@ -573,19 +573,28 @@ else:  # Triton 3.3: plain attributes of CompiledKernel, None when unset
 
 
 class _LaunchPlan:
-    __slots__ = ("key", "state_ref", "state_fields", "state_tensors", "packed_shape", "packed_dtype", "shape", "dtype", "device",
-                 "device_index", "transpose", "launcher", "function", "metadata", "grid", "head", "tail", "__weakref__")
+    __slots__ = ("key", "state_ref", "packed_shape", "packed_dtype", "absmax", "code", "offset", "state_shape",
+                 "blocksize", "quant_type", "nested", "state2", "absmax2", "code2", "blocksize2", "tables",
+                 "shape", "dtype", "device", "device_index", "transpose", "launcher", "function", "metadata",
+                 "grid", "head", "tail", "__weakref__")
 
     def __init__(self, weight, packed, qs, shape, transpose, launch):
         compiled, grid, args = launch
         self.key = (weight.data_ptr(), id(qs))
         self.state_ref = weakref.ref(qs, lambda _, key=self.key: _PLANS.pop(key, None))
-        self.state_fields = _state_fields(qs)
-        # Held so that the ids in state_fields cannot be reused and the pointers below stay valid
-        # while the plan lives (an offset given as a float became a tensor of the wrapper's own).
-        self.state_tensors = (qs.absmax, qs.code, qs.offset, qs.state2) + tuple(args[1:_OUT_ARG])
         self.packed_shape, self.packed_dtype = weight.shape, weight.dtype
-        self.shape, self.dtype, self.device, self.transpose = shape, qs.dtype, packed.device, transpose
+        # The state's objects themselves, held (so no other object can take their place at the
+        # same address) and later compared with `is`; its scalars by value.
+        self.absmax, self.code, self.offset, self.dtype = qs.absmax, qs.code, qs.offset, qs.dtype
+        self.state_shape, self.blocksize, self.quant_type, self.nested = shape, qs.blocksize, qs.quant_type, qs.nested
+        state2 = qs.state2 if qs.nested else None
+        self.state2 = state2
+        self.absmax2, self.code2, self.blocksize2 = (None, None, None) if state2 is None else (
+            state2.absmax, state2.code, state2.blocksize)
+        # The tensors behind the pointers below (an offset given as a float became a tensor of
+        # the wrapper's own): held so that the pointers stay valid while the plan lives.
+        self.tables = tuple(args[1:_OUT_ARG])
+        self.shape, self.device, self.transpose = shape, packed.device, transpose
         self.device_index = packed.device.index
         self.launcher, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
         self.grid = grid
@@ -598,16 +607,23 @@ class _LaunchPlan:
         _PLANS[self.key] = self
 
     def matches(self, weight, qs):
-        return (
-            self.state_ref() is qs
-            and weight.shape == self.packed_shape
-            and weight.dtype is self.packed_dtype
-            and weight.is_contiguous()
-            and qs.dtype is self.dtype
-            and _state_fields(qs) == self.state_fields
-            and torch._C._cuda_getDevice() == self.device_index
-            and not _launch_hooks_active()
-        )
+        """Whether nothing the plan relied on changed: one chain of identity and value tests
+        (1.0 to 1.25 us per call on the H100 host, against 2.9 to 3.0 us for building and
+        comparing a tuple of the state's fields)."""
+        if not (self.state_ref() is qs
+                and qs.absmax is self.absmax and qs.code is self.code and qs.offset is self.offset
+                and qs.dtype is self.dtype and qs.shape == self.state_shape and qs.blocksize == self.blocksize
+                and qs.quant_type == self.quant_type and qs.nested == self.nested
+                and weight.dtype is self.packed_dtype and weight.shape == self.packed_shape
+                and weight.is_contiguous()
+                and torch._C._cuda_getDevice() == self.device_index
+                and not _launch_hooks_active()):
+            return False
+        if self.state2 is None:
+            return True
+        state2 = qs.state2
+        return (state2 is self.state2 and state2.absmax is self.absmax2 and state2.code is self.code2
+                and state2.blocksize == self.blocksize2)
 
     def launch(self):
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -615,13 +631,6 @@ class _LaunchPlan:
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         self.launcher(self.grid, 1, 1, stream, self.function, self.metadata, None, None, None, *args)
         return out.t() if self.transpose else out
-
-
-def _state_fields(qs):
-    """What a plan relies on in a quant state: its objects by id, its scalars by value."""
-    state2 = qs.state2 if qs.nested else None
-    return (id(qs.absmax), id(qs.code), qs.shape, qs.blocksize, qs.quant_type, qs.nested, id(qs.offset),
-            id(state2), None if state2 is None else (id(state2.absmax), id(state2.code), state2.blocksize))
 
 
 # --------------------------------------------------------------------------------------------

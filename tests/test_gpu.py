@@ -7,7 +7,8 @@ import torch
 
 import bench
 import kernel
-from helpers import assert_bit_exact, bnb_dequantize, quantize
+from helpers import assert_bit_exact, bit_exact, bnb_dequantize, quantize
+from reference import dequantize_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -119,22 +120,82 @@ def test_plan_after_requantization_in_place():
     assert_bit_exact(kernel.dequantize_nf4(packed, state), bnb_dequantize(new_packed, new_state))
 
 
-@pytest.mark.parametrize("change", ["absmax", "state2", "state2-absmax", "dtype", "blocksize-shape"])
-def test_plan_after_state_changes(change):
+def _changed_after_plan(change):
+    """A weight whose plan exists, then one field of its state rebound (or, for "blocksize-shape",
+    another weight and state); returns (packed, state, what the call must now return)."""
     packed, state = quantize((256, 320), device="cuda", seed=15)
     kernel.dequantize_nf4(packed, state)
     other_packed, other = quantize((256, 320), device="cuda", seed=16)
     if change == "absmax":
         state.absmax = other.absmax
+    elif change == "code":
+        state.code = state.code.flip(0)
+    elif change == "offset":
+        state.offset = state.offset + 0.25
     elif change == "state2":
         state.state2, state.offset = other.state2, other.offset
     elif change == "state2-absmax":
         state.state2.absmax = other.state2.absmax * 2
+    elif change == "state2-code":
+        state.state2.code = state.state2.code.flip(0)
     elif change == "dtype":
         state.dtype = torch.float32
+    elif change == "shape":
+        state.shape = torch.Size((320, 256))
+    elif change == "quant_type":  # the table rewritten in place to FP4's (same object), the type flipped
+        state.code.copy_(quantize((256, 320), quant_type="fp4", device="cuda", seed=16)[1].code)
+        state.quant_type = "fp4"
     else:
         packed, state = quantize((320, 256), blocksize=128, device="cuda", seed=17)
-    assert_bit_exact(kernel.dequantize_nf4(packed, state), bnb_dequantize(packed, state))
+    # bitsandbytes decodes NF4 with its built-in table; the format (and this kernel) read the state's.
+    expected = dequantize_reference(packed, state) if change == "code" else bnb_dequantize(packed, state)
+    return packed, state, expected
+
+
+STATE_CHANGES = ["absmax", "code", "offset", "state2", "state2-absmax", "state2-code", "dtype", "shape",
+                 "quant_type"]
+INVALIDATING_CHANGES = ["blocksize", "state2-blocksize", "nested"]
+
+
+@pytest.mark.parametrize("change", STATE_CHANGES + ["blocksize-shape"])
+def test_plan_after_state_changes(change):
+    """Every field a plan relies on, rebound after the plan was made: the next call sees it."""
+    packed, state, expected = _changed_after_plan(change)
+    assert_bit_exact(kernel.dequantize_nf4(packed, state), expected)
+
+
+def _invalidated_after_plan(change):
+    packed, state = quantize((256, 320), device="cuda", seed=21)
+    kernel.dequantize_nf4(packed, state)
+    if change == "blocksize":
+        state.blocksize = 32  # twice the blocks the absmax holds
+    elif change == "state2-blocksize":
+        state.state2.blocksize = 128  # twice the blocks state2's absmax holds
+    else:
+        state.nested = False  # a uint8 absmax read as fp32 scales
+    return packed, state
+
+
+@pytest.mark.parametrize("change", INVALIDATING_CHANGES)
+def test_plan_does_not_hide_an_invalid_state(change):
+    """A change that makes the state unusable for the packed weight raises after a plan exists,
+    as it would without one."""
+    packed, state = _invalidated_after_plan(change)
+    with pytest.raises(ValueError, match="absmax"):
+        kernel.dequantize_nf4(packed, state)
+
+
+@pytest.mark.parametrize("change", STATE_CHANGES + INVALIDATING_CHANGES)
+def test_identity_only_plan_check_is_caught(change, monkeypatch):
+    """Known-bad: a plan that checks only the state object's identity serves a stale result for
+    every change above (or no error), so each of those tests can fail."""
+    monkeypatch.setattr(kernel._LaunchPlan, "matches", lambda self, weight, qs: self.state_ref() is qs)
+    if change in INVALIDATING_CHANGES:
+        packed, state = _invalidated_after_plan(change)
+        kernel.dequantize_nf4(packed, state)  # no error: the stale plan answered
+    else:
+        packed, state, expected = _changed_after_plan(change)
+        assert not bit_exact(kernel.dequantize_nf4(packed, state), expected)
 
 
 def test_plan_dropped_with_its_state():
