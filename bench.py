@@ -95,7 +95,7 @@ def _expand_floor_kernel(
 def expand_floor(packed, state):
     out = torch.empty(tuple(state.shape), dtype=state.dtype, device=packed.device)
     n_bytes = out.numel() // 2
-    bytes_per_program = kernel.launch_config(torch.cuda.get_device_capability())[0]
+    bytes_per_program = kernel.launch_config(torch.cuda.get_device_capability(), n_bytes)[0]
     _expand_floor_kernel[(triton.cdiv(n_bytes, bytes_per_program),)](packed, out, n_bytes, bytes_per_program)
     return out
 

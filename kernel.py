@@ -193,32 +193,45 @@ def _dequantize_4bit_kernel(
 # --------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------
-# (packed bytes per program, warps per program) by compute capability.
+# Compute capability -> launch tiers (smallest packed weight in bytes, packed bytes per program,
+# warps per program); a weight takes the last tier it reaches.
 #
 # sm_90 (H100, measured): 1024 packed bytes (2048 outputs) over 4 warps, 8 packed bytes and 16
-# outputs per thread. In the H100 sweep (results/nvidia-h100-80gb-hbm3/sweep.csv, 30 configurations
-# per shape, fp16 / bf16) it is within 0.7 us of the best at every swept shape:
-# 8.1 / 7.4 us at 4096x1024 (best 7.4 / 7.4), 54.7 / 54.6 us at 14336x4096 (best 54.6 / 54.6),
-# 204.7 / 204.6 us at 28672x8192 (best 204.3 / 204.2). Fewer bytes per thread loses badly
-# (256 bytes over 8 warps: 523 us at 28672x8192).
+# outputs per thread; from 4 MiB of packed weight on, 2048 bytes over 4 warps (one 16-byte load
+# per thread). The sweep (results/nvidia-h100-80gb-hbm3/sweep.csv, 30 configurations per shape,
+# fp16 / bf16) puts 1024/4 within 0.7 us of the best at every swept shape: 8.1 / 7.4 us at
+# 4096x1024 (best 7.4 / 7.4), 54.7 / 54.6 us at 14336x4096, 204.7 / 204.6 us at 28672x8192.
+# Two runs of 10 interleaved rounds of 1024/4 against 2048/4 (NOTES.md, item 18): 2048/4 was
+# faster at 17 of the 18 cases from 8 MiB of packed weight up, by 0.1 to 0.9 us (for instance
+# 18.80 vs 19.71 us at 2048x8192 fp16, 54.67 vs 55.26 us at 14336x4096 bf16), and slower at
+# 5 of the 6 cases of 2 MiB (7.87 vs 7.46 us at 4096x1024 bf16), where the grid needs the
+# extra programs. Fewer bytes per thread loses badly (256 bytes over 8 warps: 523 us at
+# 28672x8192).
 #
 # sm_75 (T4) and sm_89 (L4), reasoned from their specs, not measured: both need far fewer bytes
 # in flight than the H100. At 320 GB/s (T4) or 300 GB/s (L4) and about 1 us of DRAM latency,
 # ~320 KB must be in flight chip-wide: 8 KB per SM on the T4's 40 SMs, 5.5 KB on the L4's 58.
 # A 1024-byte program moves 1 KB in and 4 KB out (fp16); the T4 holds 8 such programs per SM
-# (1024 threads), the L4 12 (1536 threads), 40 to 60 KB per SM, so the H100's configuration
-# already saturates them, and 8 bytes per thread keeps the 16-byte stores the sweep favoured.
-# The notebooks sweep on the GPU they run on and install the winner with set_launch_config().
-LAUNCH_CONFIGS = {(9, 0): (1024, 4), (8, 9): (1024, 4), (7, 5): (1024, 4)}
-DEFAULT_LAUNCH_CONFIG = (1024, 4)
+# (1024 threads), the L4 12 (1536 threads), 40 to 60 KB per SM, so the H100's small-weight
+# configuration already saturates them, and 8 bytes per thread keeps the 16-byte stores the
+# sweep favoured. The notebooks sweep on the GPU they run on and install the winner with
+# set_launch_config().
+LAUNCH_CONFIGS = {
+    (9, 0): ((0, 1024, 4), (4 << 20, 2048, 4)),
+    (8, 9): ((0, 1024, 4),),
+    (7, 5): ((0, 1024, 4),),
+}
+DEFAULT_LAUNCH_CONFIG = ((0, 1024, 4),)
 _launch_override = None
 
 
-def launch_config(capability):
-    """(bytes per program, warps) for a GPU: set_launch_config's choice, else the table's."""
+def launch_config(capability, n_bytes=0):
+    """(bytes per program, warps) for a packed weight of ``n_bytes`` on a GPU of ``capability``:
+    set_launch_config's choice, else the table's tier for that size."""
     if _launch_override is not None:
         return _launch_override
-    return LAUNCH_CONFIGS.get(tuple(capability), DEFAULT_LAUNCH_CONFIG)
+    tiers = LAUNCH_CONFIGS.get(tuple(capability), DEFAULT_LAUNCH_CONFIG)
+    return next((per_program, warps) for smallest, per_program, warps in reversed(tiers) if n_bytes >= smallest)
 
 
 def set_launch_config(bytes_per_program=None, num_warps=None):
@@ -255,7 +268,7 @@ def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256
     if l2_bytes is None:
         l2_bytes = _device_facts()[1]
     if bytes_per_program is None:
-        bytes_per_program = launch_config(capability)[0]
+        bytes_per_program = launch_config(capability, (n_elements + 1) // 2)[0]
     if use_asm is None:
         use_asm = not INTERPRET and _is_nvidia()
     if bf16_via_int is None:
@@ -457,14 +470,14 @@ def _launch_setup(packed, dtype, n_elements, blocksize, blocksize2, nested, fp4,
     """Constexprs, warps, packed byte count and grid of one launch (overrides: tests, sweeps)."""
     overrides = dict(overrides)
     capability, l2_bytes = _device_facts(packed.device)
-    bytes_per_program, num_warps = launch_config(capability)
+    n_bytes = (n_elements + 1) // 2
+    bytes_per_program, num_warps = launch_config(capability, n_bytes)
     num_warps = overrides.pop("num_warps", num_warps)
     variant = kernel_variant(dtype, nested=nested, fp4=fp4, blocksize=blocksize, blocksize2=blocksize2,
                              n_elements=n_elements, word_aligned=_word_aligned(packed), capability=capability,
                              l2_bytes=l2_bytes,
                              bytes_per_program=overrides.pop("BYTES_PER_PROGRAM", bytes_per_program))
     variant.update(overrides)
-    n_bytes = (n_elements + 1) // 2
     return variant, num_warps, n_bytes, (triton.cdiv(n_bytes, variant["BYTES_PER_PROGRAM"]),)
 
 

@@ -162,4 +162,12 @@ def test_launch_config_override(config, device):
         check(packed, state)
     finally:
         kernel.set_launch_config()
-    assert kernel.launch_config((9, 0)) == kernel.LAUNCH_CONFIGS[(9, 0)]
+    assert kernel.launch_config((9, 0)) == (1024, 4)
+
+
+def test_launch_config_tiers():
+    """The H100's tier changes at 4 MiB of packed weight; unknown GPUs take the default."""
+    assert kernel.launch_config((9, 0), (4 << 20) - 1) == (1024, 4)
+    assert kernel.launch_config((9, 0), 4 << 20) == (2048, 4)
+    assert kernel.launch_config((8, 9), 1 << 30) == (1024, 4)
+    assert kernel.launch_config((12, 0), 1 << 30) == (1024, 4)
