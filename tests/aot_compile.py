@@ -61,7 +61,10 @@ def compile_variant(capability, out_dtype, nested, constexprs):
     signature = {name: signature[name] for name in fn.arg_names}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-    options = {"num_warps": kernel.launch_config(capability)[1], **kernel.compile_options(constexprs["USE_ASM"])}
+    # the warps of the launch tier whose bytes per program the variant was made with
+    tiers = kernel.LAUNCH_CONFIGS.get(capability, kernel.DEFAULT_LAUNCH_CONFIG)
+    num_warps = next(warps for _, per_program, warps in tiers if per_program == constexprs["BYTES_PER_PROGRAM"])
+    options = {"num_warps": num_warps, **kernel.compile_options(constexprs["USE_ASM"])}
     return triton.compile(source, target=target, options=options)
 
 
