@@ -201,7 +201,7 @@ def _dequantize_4bit_kernel(
 # per thread). The sweep (results/nvidia-h100-80gb-hbm3/sweep.csv, 30 configurations per shape,
 # fp16 / bf16) puts 1024/4 within 0.7 us of the best at every swept shape: 8.1 / 7.4 us at
 # 4096x1024 (best 7.4 / 7.4), 54.7 / 54.6 us at 14336x4096, 204.7 / 204.6 us at 28672x8192.
-# Two runs of 10 interleaved rounds of 1024/4 against 2048/4 (NOTES.md, item 18): 2048/4 was
+# Two runs of 10 interleaved rounds of 1024/4 against 2048/4 (NOTES.md, item 19): 2048/4 was
 # faster at 17 of the 18 cases from 8 MiB of packed weight up, by 0.1 to 0.9 us (for instance
 # 18.80 vs 19.71 us at 2048x8192 fp16, 54.67 vs 55.26 us at 14336x4096 bf16), and slower at
 # 5 of the 6 cases of 2 MiB (7.87 vs 7.46 us at 4096x1024 bf16), where the grid needs the
@@ -586,7 +586,7 @@ else:  # Triton 3.3: plain attributes of CompiledKernel, None when unset
 
 
 class _LaunchPlan:
-    __slots__ = ("key", "state_ref", "packed_shape", "packed_dtype", "absmax", "code", "offset", "state_shape",
+    __slots__ = ("key", "state_ref", "packed_shape", "packed_dtype", "absmax", "code", "offset",
                  "blocksize", "quant_type", "nested", "state2", "absmax2", "code2", "blocksize2", "tables",
                  "shape", "dtype", "device", "device_index", "transpose", "launcher", "function", "metadata",
                  "grid", "head", "tail", "__weakref__")
@@ -597,9 +597,9 @@ class _LaunchPlan:
         self.state_ref = weakref.ref(qs, lambda _, key=self.key: _PLANS.pop(key, None))
         self.packed_shape, self.packed_dtype = weight.shape, weight.dtype
         # The state's objects themselves, held (so no other object can take their place at the
-        # same address) and later compared with `is`; its scalars by value.
+        # same address) and later compared with `is`; its scalars (and its shape, as ``shape``) by value.
         self.absmax, self.code, self.offset, self.dtype = qs.absmax, qs.code, qs.offset, qs.dtype
-        self.state_shape, self.blocksize, self.quant_type, self.nested = shape, qs.blocksize, qs.quant_type, qs.nested
+        self.blocksize, self.quant_type, self.nested = qs.blocksize, qs.quant_type, qs.nested
         state2 = qs.state2 if qs.nested else None
         self.state2 = state2
         self.absmax2, self.code2, self.blocksize2 = (None, None, None) if state2 is None else (
@@ -625,7 +625,7 @@ class _LaunchPlan:
         comparing a tuple of the state's fields)."""
         if not (self.state_ref() is qs
                 and qs.absmax is self.absmax and qs.code is self.code and qs.offset is self.offset
-                and qs.dtype is self.dtype and qs.shape == self.state_shape and qs.blocksize == self.blocksize
+                and qs.dtype is self.dtype and qs.shape == self.shape and qs.blocksize == self.blocksize
                 and qs.quant_type == self.quant_type and qs.nested == self.nested
                 and weight.dtype is self.packed_dtype and weight.shape == self.packed_shape
                 and weight.is_contiguous()
