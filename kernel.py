@@ -639,7 +639,9 @@ class _LaunchPlan:
                 and state2.blocksize == self.blocksize2)
 
     def launch(self):
-        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        # size= as a keyword: the positional form goes through torch.empty's varargs overloads,
+        # 4.5 against 2.3 us per call on the H100 host (NOTES.md, item 21).
+        out = torch.empty(size=self.shape, dtype=self.dtype, device=self.device)
         args = self.head + (out.data_ptr(),) + self.tail  # a fresh tuple: plans are shared by threads
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         self.launcher(self.grid, 1, 1, stream, self.function, self.metadata, None, None, None, *args)
@@ -654,4 +656,10 @@ def _your_dequantize_nf4(weight, quant_state):
 
 
 def your_dequantize_nf4(layer):
-    return _your_dequantize_nf4(layer.weight.data, layer.weight.quant_state)
+    weight = layer.weight
+    # bitsandbytes' Params4bit defines a Python __torch_function__ (it re-wraps only chunk and split),
+    # so a plain `weight.data` costs 3.3 to 4.8 us on the H100 host; with subclass torch functions
+    # disabled the same tensor costs 1.0 us (NOTES.md, item 21).
+    with torch._C.DisableTorchFunctionSubclass():
+        packed = weight.data
+    return _your_dequantize_nf4(packed, weight.quant_state)

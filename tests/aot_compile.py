@@ -34,23 +34,26 @@ OUT_POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "
 def variants(capability):
     """Every combination the wrapper can launch on a GPU of this capability (word loads where the
     packed bytes allow them, byte loads elsewhere), and one with the eviction hints off (the
-    launch sweep's other family)."""
-    facts = dict(capability=capability, l2_bytes=L2_BYTES)
+    launch sweep's other family). Yields (out_dtype, nested, use_asm, use_int64, num_warps, constexprs),
+    constexprs and warps chosen for the weight size as the wrapper chooses them."""
+    def variant(out_dtype, nested, fp4=False, n_elements=0, use_asm=True, **changes):
+        constexprs = kernel.kernel_variant(out_dtype, nested=nested, fp4=fp4, n_elements=n_elements, use_asm=use_asm,
+                                           capability=capability, l2_bytes=L2_BYTES, **changes)
+        num_warps = kernel.launch_config(capability, (n_elements + 1) // 2)[1]
+        return out_dtype, nested, use_asm, constexprs["USE_INT64"], num_warps, constexprs
+
     for out_dtype, nested, fp4, use_asm, use_int64 in itertools.product(
         kernel.OUTPUT_DTYPES, (True, False), (False, True), (True, False), (False, True)
     ):
         # 2**31 elements: 64-bit offsets, and an output large enough for streaming stores
-        yield out_dtype, nested, use_asm, use_int64, kernel.kernel_variant(
-            out_dtype, nested=nested, fp4=fp4, n_elements=2**31 if use_int64 else 0, use_asm=use_asm, **facts)
+        yield variant(out_dtype, nested, fp4, n_elements=2**31 if use_int64 else 0, use_asm=use_asm)
     for out_dtype, nested, fp4 in itertools.product(kernel.OUTPUT_DTYPES, (True, False), (False, True)):
         # 2 elements: one packed byte, not a whole word, so byte loads
-        yield out_dtype, nested, True, False, kernel.kernel_variant(
-            out_dtype, nested=nested, fp4=fp4, n_elements=2, use_asm=True, **facts)
-    yield torch.float16, True, True, False, kernel.kernel_variant(
-        torch.float16, nested=True, use_asm=True, eviction_hints=False, **facts)
+        yield variant(out_dtype, nested, fp4, n_elements=2)
+    yield variant(torch.float16, True, eviction_hints=False)
 
 
-def compile_variant(capability, out_dtype, nested, constexprs):
+def compile_variant(capability, out_dtype, nested, num_warps, constexprs):
     fn = kernel._dequantize_4bit_kernel
     signature = dict(POINTERS)
     signature["absmax_ptr"] = "*u8" if nested else "*fp32"
@@ -61,9 +64,6 @@ def compile_variant(capability, out_dtype, nested, constexprs):
     signature = {name: signature[name] for name in fn.arg_names}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-    # the warps of the launch tier whose bytes per program the variant was made with
-    tiers = kernel.LAUNCH_CONFIGS.get(capability, kernel.DEFAULT_LAUNCH_CONFIG)
-    num_warps = next(warps for _, per_program, warps in tiers if per_program == constexprs["BYTES_PER_PROGRAM"])
     options = {"num_warps": num_warps, **kernel.compile_options(constexprs["USE_ASM"])}
     return triton.compile(source, target=target, options=options)
 
@@ -71,8 +71,8 @@ def compile_variant(capability, out_dtype, nested, constexprs):
 def main():
     cc = int(sys.argv[1])
     capability = (cc // 10, cc % 10)
-    for out_dtype, nested, use_asm, use_int64, constexprs in variants(capability):
-        compiled = compile_variant(capability, out_dtype, nested, constexprs)
+    for out_dtype, nested, use_asm, use_int64, num_warps, constexprs in variants(capability):
+        compiled = compile_variant(capability, out_dtype, nested, num_warps, constexprs)
         ptx = compiled.asm["ptx"]
         asm_blocks = re.findall(r"begin inline asm(.*?)end inline asm", ptx, re.S)
         print(json.dumps({

@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import kernel
-from helpers import assert_bit_exact, quantize
+from helpers import assert_bit_exact, params4bit_layer, quantize
 
 
 def op_args(packed, state):
@@ -47,6 +47,15 @@ def test_single_call_fullgraph(dtype, device):
     eager = kernel.dequantize_nf4(packed, state)
     compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), fullgraph=True)
     assert_bit_exact(compiled(packed), eager)
+    assert not counters["graph_break"]
+
+
+def test_entry_point_fullgraph(device):
+    """The challenge's entry point on a layer, compiled whole: no graph break, eager's bits."""
+    packed, state = quantize((64, 192), dtype=torch.bfloat16, device=device, seed=5)
+    layer = params4bit_layer(packed, state)
+    compiled = torch.compile(kernel.your_dequantize_nf4, fullgraph=True)
+    assert_bit_exact(compiled(layer), kernel.your_dequantize_nf4(layer))
     assert not counters["graph_break"]
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import kernel
-from helpers import (assert_bit_exact, assert_unchanged, bit_exact, bnb_dequantize, expected_values, quantize, snapshot,
-                     with_subnormal_scales)
+from helpers import (assert_bit_exact, assert_unchanged, bit_exact, bnb_dequantize, expected_values, params4bit_layer,
+                     quantize, snapshot, with_subnormal_scales)
 from reference import KNOWN_BAD, KNOWN_BAD_SUBNORMAL, dequantize_reference
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -126,6 +126,19 @@ def test_module_and_params(device):
                 kernel.your_dequantize_nf4(layer),
                 kernel._your_dequantize_nf4(layer.weight.data, layer.weight.quant_state)):
         assert_bit_exact(got, expected)
+
+
+def test_entry_point_on_params4bit(device):
+    """your_dequantize_nf4 reads the Params4bit's data with its __torch_function__ switched off: the
+    same tensor and the same bits as the challenge's own `layer.weight.data` call, nothing changed."""
+    packed, state = quantize((96, 128), device=device, seed=4)
+    layer = params4bit_layer(packed, state)
+    before = snapshot(packed, state)
+    assert_bit_exact(kernel.your_dequantize_nf4(layer), expected_values(packed, state))
+    assert_bit_exact(kernel.your_dequantize_nf4(layer),
+                     kernel._your_dequantize_nf4(layer.weight.data, layer.weight.quant_state))
+    assert_unchanged(packed, state, before)
+    assert torch._C._is_torch_function_enabled()
 
 
 @pytest.mark.parametrize("name", sorted(KNOWN_BAD))

@@ -45,7 +45,8 @@ def test_run_all_in_smoke_mode(name, tmp_path, monkeypatch):
     # CI runs (NOTES.md, Open); the timeout turns any such stall into a failure, not a hang.
     from jupyter_client import KernelManager
 
-    manager = KernelManager(kernel_name="python3", transport="ipc")
+    # The IPC sockets go to the test's temporary folder (by default they land in the working directory).
+    manager = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp_path / "kernel"))
     client = nbclient.NotebookClient(notebook, km=manager, timeout=300, resources={"metadata": {"path": ROOT}})
     client.execute(cwd=ROOT)
     text = "\n".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
