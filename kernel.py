@@ -199,13 +199,14 @@ def _dequantize_4bit_kernel(
 # sm_90 (H100, measured): 1024 packed bytes (2048 outputs) over 4 warps, 8 packed bytes and 16
 # outputs per thread; from 4 MiB of packed weight on, 2048 bytes over 4 warps (one 16-byte load
 # per thread). The sweep (results/nvidia-h100-80gb-hbm3/sweep.csv, 30 configurations per shape,
-# fp16 / bf16) puts 1024/4 within 0.7 us of the best at every swept shape: 8.1 / 7.4 us at
-# 4096x1024 (best 7.4 / 7.4), 54.7 / 54.6 us at 14336x4096, 204.7 / 204.6 us at 28672x8192.
+# one sample each) puts 1024/4 within 0.9 us of the best at every swept shape, fp16 / bf16:
+# 7.4 / 8.1 us at 4096x1024 (best 7.4 / 7.4), 55.5 / 55.2 us at 14336x4096 (best 54.6 / 54.6),
+# 205.3 / 204.7 us at 28672x8192 (best 204.9 / 204.5).
 # Two runs of 10 interleaved rounds of 1024/4 against 2048/4 (NOTES.md, item 19): 2048/4 was
 # faster at 17 of the 18 cases from 8 MiB of packed weight up, by 0.1 to 0.9 us (for instance
 # 18.80 vs 19.71 us at 2048x8192 fp16, 54.67 vs 55.26 us at 14336x4096 bf16), and slower at
 # 5 of the 6 cases of 2 MiB (7.87 vs 7.46 us at 4096x1024 bf16), where the grid needs the
-# extra programs. Fewer bytes per thread loses badly (256 bytes over 8 warps: 523 us at
+# extra programs. Fewer bytes per thread loses badly (256 bytes over 8 warps: 526 us at
 # 28672x8192).
 #
 # sm_75 (T4) and sm_89 (L4), reasoned from their specs, not measured: both need far fewer bytes
