@@ -52,7 +52,7 @@ def contenders(log=print):
     try:
         from peft.utils.integrations import dequantize_module_weight
 
-        found["peft"] = lambda packed, state: dequantize_module_weight(_linear4bit_view(packed, state))
+        found["peft"] = lambda packed, state: dequantize_module_weight(params4bit_module(packed, state))
     except Exception as error:
         log(f"peft: skipped ({type(error).__name__}: {error})")
     found["floor (no decode)"] = expand_floor
@@ -64,13 +64,16 @@ def contenders(log=print):
 INSTRUMENTS = ("floor (no decode)", "copy (same bytes)")
 
 
-def _linear4bit_view(packed, state):
-    """What PEFT's dequantize_module_weight takes: a module whose weight is a Params4bit."""
+def params4bit_module(packed, state):
+    """A module whose weight is ``packed`` as a bitsandbytes Params4bit, as Linear4bit holds it after
+    its move to CUDA (built directly, so that it exists on the CPU too): what PEFT's
+    dequantize_module_weight and the challenge's entry point take."""
     import bitsandbytes as bnb
 
     module = torch.nn.Module()
     module.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=state.blocksize,
-                                      quant_type=state.quant_type, bnb_quantized=True)
+                                      compress_statistics=state.nested, quant_type=state.quant_type,
+                                      quant_storage=packed.dtype, bnb_quantized=True)
     return module
 
 

@@ -32,16 +32,12 @@ def quantize(shape, *, dtype=torch.float16, nested=True, blocksize=64, quant_typ
     return packed, state
 
 
-def params4bit_layer(packed, state):
-    """A module holding ``packed`` as a bitsandbytes Params4bit weight, as Linear4bit does after its
-    move to CUDA (built directly, so that it exists on the CPU too)."""
-    import bitsandbytes as bnb
-
-    layer = torch.nn.Module()
-    layer.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=state.blocksize,
-                                     compress_statistics=state.nested, quant_type=state.quant_type,
-                                     quant_storage=packed.dtype, bnb_quantized=True)
-    return layer
+def offset_copy(packed, start):
+    """A copy of ``packed`` whose bytes begin ``start`` bytes into a fresh buffer."""
+    buffer = torch.zeros(packed.numel() + 8, dtype=torch.uint8, device=packed.device)
+    view = buffer[start:start + packed.numel()].view(packed.shape)
+    view.copy_(packed)
+    return view
 
 
 def bnb_dequantize(packed, state):

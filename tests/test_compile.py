@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import bench
 import kernel
-from helpers import assert_bit_exact, params4bit_layer, quantize
+from helpers import assert_bit_exact, offset_copy, quantize
 
 
 def op_args(packed, state):
@@ -53,7 +54,7 @@ def test_single_call_fullgraph(dtype, device):
 def test_entry_point_fullgraph(device):
     """The challenge's entry point on a layer, compiled whole: no graph break, eager's bits."""
     packed, state = quantize((64, 192), dtype=torch.bfloat16, device=device, seed=5)
-    layer = params4bit_layer(packed, state)
+    layer = bench.params4bit_module(packed, state)
     compiled = torch.compile(kernel.your_dequantize_nf4, fullgraph=True)
     assert_bit_exact(compiled(layer), kernel.your_dequantize_nf4(layer))
     assert not counters["graph_break"]
@@ -74,10 +75,7 @@ def test_misaligned_packed_after_compile(start, device):
     expected = kernel.dequantize_nf4(packed, state)
     compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), fullgraph=True)
     assert_bit_exact(compiled(packed), expected)
-    buffer = torch.zeros(packed.numel() + 8, dtype=torch.uint8, device=device)
-    view = buffer[start:start + packed.numel()].view(packed.shape)
-    view.copy_(packed)
-    assert_bit_exact(compiled(view), expected)
+    assert_bit_exact(compiled(offset_copy(packed, start)), expected)
     assert_bit_exact(compiled(packed), expected)
 
 

@@ -7,8 +7,9 @@ packed weight and the quant state are left untouched.
 import pytest
 import torch
 
+import bench
 import kernel
-from helpers import (assert_bit_exact, assert_unchanged, bit_exact, bnb_dequantize, expected_values, params4bit_layer,
+from helpers import (assert_bit_exact, assert_unchanged, bit_exact, bnb_dequantize, expected_values, offset_copy,
                      quantize, snapshot, with_subnormal_scales)
 from reference import KNOWN_BAD, KNOWN_BAD_SUBNORMAL, dequantize_reference
 
@@ -58,9 +59,7 @@ def test_fp4(shape, dtype, nested, device):
 def test_packed_alignment(start, device):
     """Word loads only where the packed bytes start on a 4-byte boundary; bytes elsewhere."""
     packed, state = quantize((32, 256), device=device, seed=13)
-    buffer = torch.zeros(packed.numel() + 8, dtype=torch.uint8, device=device)
-    view = buffer[start:start + packed.numel()].view(packed.shape)
-    view.copy_(packed)
+    view = offset_copy(packed, start)
     assert kernel._word_aligned(view) == (start % 4 == 0)
     check(view, state)
 
@@ -132,7 +131,7 @@ def test_entry_point_on_params4bit(device):
     """your_dequantize_nf4 reads the Params4bit's data with its __torch_function__ switched off: the
     same tensor and the same bits as the challenge's own `layer.weight.data` call, nothing changed."""
     packed, state = quantize((96, 128), device=device, seed=4)
-    layer = params4bit_layer(packed, state)
+    layer = bench.params4bit_module(packed, state)
     before = snapshot(packed, state)
     assert_bit_exact(kernel.your_dequantize_nf4(layer), expected_values(packed, state))
     assert_bit_exact(kernel.your_dequantize_nf4(layer),
