@@ -384,7 +384,10 @@ def _check_state(packed, qs):
         if not isinstance(offset, torch.Tensor):
             _require(offset is not None, "dequantize_nf4: nested quant_state has no offset")
             offset = torch.tensor([float(offset)], dtype=torch.float32, device=device)
-        offset = tensor("offset", offset.reshape(1), torch.float32, 1)
+        # Kept as it is (one element, usually 0-dim): a reshape here would be one more view per
+        # call inside a compiled graph.
+        offset = tensor("offset", offset, torch.float32, 1)
+        _require(offset.numel() == 1, f"dequantize_nf4: offset must hold one value, got {offset.numel()}")
         blocksize2 = state2.blocksize
     else:
         absmax = tensor("absmax", qs.absmax, torch.float32, n_blocks)

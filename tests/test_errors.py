@@ -94,6 +94,12 @@ def test_absmax_wrong_dtype(weight):
         kernel.dequantize_nf4(packed, altered(state, absmax=state.absmax.float()))
 
 
+def test_offset_with_two_values(weight):
+    packed, state = weight
+    with pytest.raises(ValueError, match="offset must hold one value, got 2"):
+        kernel.dequantize_nf4(packed, altered(state, offset=state.offset.repeat(2)))
+
+
 def test_state_on_other_device(weight):
     packed, state = weight
     with pytest.raises(ValueError, match="code is on meta but the packed weight is on"):
