@@ -391,26 +391,38 @@ def compile_references(packed, state, fused):
     return references
 
 
-def bench_compile(shapes, dtypes, roofline, meta, log):
-    """Eager (launch plan) against torch.compile: do_bench medians of the callable (host cost
-    included when it exceeds the L2 flush), and the profiler's kernel time inside it."""
+def bench_compile(shapes, dtypes, rounds, roofline, meta, log):
+    """Eager (launch plan) against torch.compile, all callables interleaved in each round:
+    do_bench medians over the rounds (host cost included when it exceeds the L2 flush, so single
+    samples of the default mode at 4096x1024 fp16 ranged from 7.4 to 45.4 us in one run, NOTES.md
+    item 23), and the profiler's kernel time inside each mode."""
     rows = []
     fused = unsloth_fast_dequantize(log)
     for dtype_name, shape, packed, state in weights(shapes, dtypes):
         expected = kernel.dequantize_nf4(packed, state)
         torch._dynamo.reset()
-        first = len(rows)
-        for name, fn in compiled_modes(packed, state).items():
+        modes = compiled_modes(packed, state)
+        references = compile_references(packed, state, fused)
+        for name, fn in modes.items():
             for _ in range(3):
                 assert torch.equal(fn(), expected), name
-            rows.append(timing_row(meta, "compile", shape, dtype_name, name, do_bench(fn), roofline))
+        for fn in references.values():
+            fn()
+        samples = {name: [] for name in (*modes, *references)}
+        for _ in range(rounds):
+            for name, fn in (*modes.items(), *references.items()):
+                samples[name].append(do_bench(fn)[0])
+        first = len(rows)
+        for name, fn in modes.items():
+            rows.append(timing_row(meta, "compile", shape, dtype_name, name, summarize(samples[name]), roofline))
             kernel_us = profiled_kernel_us(fn)
             rows.append(timing_row(meta, "compile-kernel", shape, dtype_name, name, (kernel_us / 1e3,) * 3, roofline))
-        for name, fn in compile_references(packed, state, fused).items():
-            fn()
-            rows.append(timing_row(meta, "compile-reference", shape, dtype_name, name, do_bench(fn), roofline))
+        for name in references:
+            rows.append(timing_row(meta, "compile-reference", shape, dtype_name, name, summarize(samples[name]),
+                                   roofline))
         log(f"compile {dtype_name} {shape}: " + ", ".join(
-            f"{r['implementation']} {r['median_us']:.1f} us" + (" (kernel)" if r["kind"] == "compile-kernel" else "")
+            f"{r['implementation']} {r['median_us']:.1f} us" + (
+                " (kernel)" if r["kind"] == "compile-kernel" else f" [{r['p20_us']:.1f}..{r['p80_us']:.1f}]")
             for r in rows[first:]))
     return rows
 
@@ -544,7 +556,7 @@ def main():
     if "harness" in sections:
         rows += bench_harness(rounds, meta, tqdm.write)
     if "compile" in sections:
-        rows += bench_compile(QUICK_SHAPES[:2], dtypes, roofline, meta, tqdm.write)
+        rows += bench_compile(QUICK_SHAPES[:2], dtypes, rounds, roofline, meta, tqdm.write)
     if "sweep" in sections:
         rows += bench_sweep(QUICK_SHAPES, dtypes, roofline, meta, tqdm.write)
 

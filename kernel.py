@@ -598,7 +598,9 @@ class _LaunchPlan:
     def __init__(self, weight, packed, qs, shape, transpose, launch):
         compiled, grid, args = launch
         self.key = (weight.data_ptr(), id(qs))
-        self.state_ref = weakref.ref(qs, lambda _, key=self.key: _PLANS.pop(key, None))
+        # The dict is bound now: at interpreter exit a state may die after this module's globals
+        # are gone.
+        self.state_ref = weakref.ref(qs, lambda _, key=self.key, plans=_PLANS: plans.pop(key, None))
         self.packed_shape, self.packed_dtype = weight.shape, weight.dtype
         # The state's objects themselves, held (so no other object can take their place at the
         # same address) and later compared with `is`; its scalars (and its shape, as ``shape``) by value.

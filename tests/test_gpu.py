@@ -1,6 +1,9 @@
 """GPU-only checks: every kernel variant, more than 2**31 elements, and the challenge's own check."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -234,3 +237,27 @@ def test_plan_with_float_offset():
         junk = [torch.randn(1024, device="cuda") for _ in range(8)]  # reuse freed blocks
         assert_bit_exact(kernel.dequantize_nf4(packed, state), expected)
         del junk
+
+
+EXIT_SCRIPT = """
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import torch
+import kernel
+from helpers import quantize
+
+packed, state = quantize((64, 64), device="cuda")
+kernel.dequantize_nf4(packed, state)  # a kept plan
+plan = kernel._launch_plan(packed, state)  # and one that is not
+# Held by the module itself, so the state dies while the module's globals are being cleared.
+kernel._held_until_exit = (packed, state, plan)
+"""
+
+
+def test_plans_alive_at_interpreter_exit():
+    """A plan's weakref callback may run after the module's globals are gone: no error at exit."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = EXIT_SCRIPT.format(root=os.path.dirname(tests), tests=tests)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Exception ignored" not in result.stderr, result.stderr[-3000:]
