@@ -5,7 +5,9 @@
 
 Kernel times are ``triton.testing.do_bench`` medians (L2 flushed between runs), taken in rounds
 that interleave the contenders; the reported median is the median over rounds, p20/p80 the
-spread over rounds. Bandwidth counts n/2 packed + n/64 absmax + the output bytes, against the
+spread over rounds. Beside each ``do_bench`` sample, a round records each contender's GPU time per
+call from the profiler (CUPTI), after the same flush: it leaves out the GPU front end's time
+around the kernel, which ``do_bench``'s CUDA events include. Bandwidth counts n/2 packed + n/64 absmax + the output bytes, against the
 device-to-device copy measured in the same run. Two measuring instruments run beside the
 contenders: ``floor (no decode)``, a kernel that reads the packed bytes and writes the output with
 no decoding, and ``copy (same bytes)``, a device-to-device copy of as many bytes as the weight's
@@ -148,11 +150,15 @@ def do_bench(fn):
 
 
 def copy_roofline():
-    """Device-to-device copy bandwidth in GB/s (bytes read + written), 1 GiB each way."""
+    """Device-to-device copy bandwidth in GB/s (bytes read + written), 1 GiB each way, timed two
+    ways: {"do_bench": ..., "profiler": ...} (3005 and 3019 GB/s in one H100 run). Rows timed by
+    do_bench are set against the first, GPU-time rows against the second."""
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = statistics.median(do_bench(lambda: dst.copy_(src))[0] for _ in range(3))
-    return 2 * src.numel() / ms / 1e6
+    copy = lambda: dst.copy_(src)  # noqa: E731
+    ms = {"do_bench": statistics.median(do_bench(copy)[0] for _ in range(3)),
+          "profiler": gpu_times({"copy": copy}, calls=10)["copy"]}
+    return {timer: 2 * src.numel() / value / 1e6 for timer, value in ms.items()}
 
 
 def timing_row(meta, kind, shape, dtype_name, implementation, times_ms, roofline, extra_peak_bytes=0):
@@ -183,7 +189,7 @@ def summarize(times):
     return statistics.median(times), pick(0.2), pick(0.8)
 
 
-def bench_kernels(shapes, dtypes, rounds, roofline, meta, log):
+def bench_kernels(shapes, dtypes, rounds, rooflines, meta, log):
     rows = []
     funcs = contenders(log)
     cases = weights(shapes, dtypes)
@@ -192,16 +198,25 @@ def bench_kernels(shapes, dtypes, rounds, roofline, meta, log):
         for name, fn in funcs.items():
             if name not in INSTRUMENTS:
                 assert torch.equal(fn(packed, state), expected), f"{name} is not bit-exact with bitsandbytes"
+        callables = {name: (lambda fn=fn: fn(packed, state)) for name, fn in funcs.items()}
         samples = {name: [] for name in funcs}
+        gpu_samples = {name: [] for name in funcs}
         for _ in range(rounds):
-            for name, fn in funcs.items():
-                samples[name].append(do_bench(lambda: fn(packed, state))[0])
-        for name, times in samples.items():
-            peak = extra_peak_bytes(lambda: funcs[name](packed, state))
-            rows.append(timing_row(meta, "kernel", shape, dtype_name, name, summarize(times), roofline, peak))
+            for name, call in callables.items():
+                samples[name].append(do_bench(call)[0])
+            for name, ms in gpu_times(callables).items():
+                gpu_samples[name].append(ms)
+        first = len(rows)
+        for name, call in callables.items():
+            rows.append(timing_row(meta, "kernel", shape, dtype_name, name, summarize(samples[name]),
+                                   rooflines["do_bench"], extra_peak_bytes(call)))
+        for name in callables:
+            rows.append(timing_row(meta, "kernel-gpu", shape, dtype_name, name, summarize(gpu_samples[name]),
+                                   rooflines["profiler"]))
         log(f"{dtype_name} {shape}: " + ", ".join(
-            f"{r['implementation']} {r['median_us']:.1f} us ({r['pct_roofline']:.0f} %)"
-            for r in rows[-len(funcs):]))
+            f"{r['implementation']} {r['median_us']:.1f} us ({r['pct_roofline']:.0f} %)" for r in rows[first:first + len(callables)]))
+        log(f"{dtype_name} {shape}, GPU time (profiler): " + ", ".join(
+            f"{r['implementation']} {r['median_us']:.2f} us ({r['pct_roofline']:.0f} %)" for r in rows[first + len(callables):]))
     return rows
 
 
@@ -351,18 +366,47 @@ def bench_harness(rounds, meta, log):
     return rows
 
 
-def profiled_kernel_us(fn, calls=20):
-    """Mean GPU time of the dequantize kernel per call, from torch.profiler (no L2 flush)."""
+def gpu_times(fns, calls=30, only=None):
+    """Per-call GPU time of each callable, from the profiler's activity records (CUPTI), every call
+    after do_bench's L2 flush: the span from the start of the first kernel or copy a call runs to
+    the end of its last, or with ``only`` the summed durations of the kernels whose names contain
+    it. Unlike do_bench's CUDA events it leaves out the GPU front end's time between an event and
+    the kernel, whose samples fall on two levels 0.65 us apart at 8192x2048 on the H100 (NOTES.md,
+    item 30). All callables share one profiled session. Returns name -> median in milliseconds."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
+    driver = triton.runtime.driver.active
+    cache = driver.get_empty_cache_for_benchmark()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        driver.clear_cache(cache)
+        torch.cuda.synchronize()
+    flush_name = next(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    for fn in fns.values():
+        fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
+        for fn in fns.values():
+            for _ in range(calls):
+                driver.clear_cache(cache)
+                fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and "_dequantize_4bit_kernel" in e.key]
-    return sum(e.device_time_total for e in kernels) / calls
+    records = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    per_call = []
+    for record in records:
+        if record.name == flush_name:
+            per_call.append([])
+        elif per_call:
+            per_call[-1].append(record)
+    if len(per_call) != calls * len(fns) or not all(per_call):
+        raise RuntimeError(f"gpu_times: expected {calls * len(fns)} flushed calls with GPU work, found "
+                           f"{sum(map(bool, per_call))} of {len(per_call)}")
+    if only is None:
+        spans = [max(e.time_range.end for e in call) - call[0].time_range.start for call in per_call]
+    else:
+        spans = [sum(e.time_range.elapsed_us() for e in call if only in e.name) for call in per_call]
+    return {name: statistics.median(spans[index * calls:(index + 1) * calls]) / 1e3
+            for index, name in enumerate(fns)}
 
 
 def compiled_modes(packed, state):
@@ -391,11 +435,11 @@ def compile_references(packed, state, fused):
     return references
 
 
-def bench_compile(shapes, dtypes, rounds, roofline, meta, log):
+def bench_compile(shapes, dtypes, rounds, rooflines, meta, log):
     """Eager (launch plan) against torch.compile, all callables interleaved in each round:
     do_bench medians over the rounds (host cost included when it exceeds the L2 flush, so single
     samples of the default mode at 4096x1024 fp16 ranged from 7.4 to 45.4 us in one run, NOTES.md
-    item 23), and the profiler's kernel time inside each mode."""
+    item 23), and the profiler's time of our kernel inside each mode."""
     rows = []
     fused = unsloth_fast_dequantize(log)
     for dtype_name, shape, packed, state in weights(shapes, dtypes):
@@ -413,13 +457,15 @@ def bench_compile(shapes, dtypes, rounds, roofline, meta, log):
             for name, fn in (*modes.items(), *references.items()):
                 samples[name].append(do_bench(fn)[0])
         first = len(rows)
-        for name, fn in modes.items():
-            rows.append(timing_row(meta, "compile", shape, dtype_name, name, summarize(samples[name]), roofline))
-            kernel_us = profiled_kernel_us(fn)
-            rows.append(timing_row(meta, "compile-kernel", shape, dtype_name, name, (kernel_us / 1e3,) * 3, roofline))
+        kernel_ms = gpu_times(modes, only="_dequantize_4bit_kernel")
+        for name in modes:
+            rows.append(timing_row(meta, "compile", shape, dtype_name, name, summarize(samples[name]),
+                                   rooflines["do_bench"]))
+            rows.append(timing_row(meta, "compile-kernel", shape, dtype_name, name, (kernel_ms[name],) * 3,
+                                   rooflines["profiler"]))
         for name in references:
             rows.append(timing_row(meta, "compile-reference", shape, dtype_name, name, summarize(samples[name]),
-                                   roofline))
+                                   rooflines["do_bench"]))
         log(f"compile {dtype_name} {shape}: " + ", ".join(
             f"{r['implementation']} {r['median_us']:.1f} us" + (
                 " (kernel)" if r["kind"] == "compile-kernel" else f" [{r['p20_us']:.1f}..{r['p80_us']:.1f}]")
@@ -444,17 +490,21 @@ def config_label(config):
             f"hints={config['EVICTION_HINTS']} loads={loads}")
 
 
-def bench_sweep(shapes, dtypes, roofline, meta, log):
-    """Every SWEEP_CONFIGS entry on each weight (launch plans: no validation in the timing)."""
+def bench_sweep(shapes, dtypes, rooflines, meta, log):
+    """Every SWEEP_CONFIGS entry on each weight (launch plans: no validation in the timing), one
+    do_bench sample each, and each configuration's GPU time per call (profiler, 30 calls)."""
     rows = []
     for dtype_name, shape, packed, state in tqdm(weights(shapes, dtypes), desc="sweep", total=len(shapes) * len(dtypes)):
         expected = kernel.dequantize_nf4(packed, state)
-        for config in SWEEP_CONFIGS:
-            fn = kernel._launch_plan(packed, state, **config).launch
-            assert torch.equal(fn(), expected), config
-            rows.append(timing_row(meta, "sweep", shape, dtype_name, config_label(config), do_bench(fn), roofline))
-        best = min(rows[-len(SWEEP_CONFIGS):], key=lambda r: r["median_us"])
-        log(f"sweep {dtype_name} {shape}: best {best['implementation']} {best['median_us']:.1f} us")
+        launches = {config_label(config): kernel._launch_plan(packed, state, **config).launch for config in SWEEP_CONFIGS}
+        for label, fn in launches.items():
+            assert torch.equal(fn(), expected), label
+            rows.append(timing_row(meta, "sweep", shape, dtype_name, label, do_bench(fn), rooflines["do_bench"]))
+        gpu_rows = [timing_row(meta, "sweep-gpu", shape, dtype_name, label, (ms,) * 3, rooflines["profiler"])
+                    for label, ms in gpu_times(launches).items()]
+        rows += gpu_rows
+        best = min(gpu_rows, key=lambda r: r["median_us"])
+        log(f"sweep {dtype_name} {shape}: best by GPU time {best['implementation']} {best['median_us']:.2f} us")
     return rows
 
 
@@ -470,16 +520,20 @@ def plot(folder):
     written = []
     bench_csv = os.path.join(folder, "bench.csv")
     frame = pd.read_csv(bench_csv) if os.path.exists(bench_csv) else pd.DataFrame({"kind": []})
-    kernels = frame[frame["kind"] == "kernel"]
+    kernels = frame[frame["kind"].isin(["kernel", "kernel-gpu"])]
     if len(kernels):
         meta = frame.iloc[0]
-        fig, axes = plt.subplots(1, kernels["dtype"].nunique(), figsize=(12, 4.5), squeeze=False)
-        for ax, (dtype, rows) in zip(axes[0], kernels.groupby("dtype")):
+        groups = list(kernels.groupby(["kind", "dtype"]))
+        n_dtypes = kernels["dtype"].nunique()
+        fig, axes = plt.subplots(len(groups) // n_dtypes, n_dtypes, figsize=(12, 4.5 * len(groups) // n_dtypes),
+                                 squeeze=False)
+        for ax, ((kind, dtype), rows) in zip(axes.flat, groups):
             table = rows.pivot(index="shape", columns="implementation", values="pct_roofline")
             table = table.loc[sorted(table.index, key=lambda s: int(s.split("x")[0]) * int(s.split("x")[1]))]
             table.plot.bar(ax=ax, rot=30)
             ax.axhline(100, color="black", linewidth=0.8, linestyle="--")
-            ax.set_title(f"{dtype}: % of device copy bandwidth")
+            timing = "do_bench" if kind == "kernel" else "GPU time, profiler"
+            ax.set_title(f"{dtype}: % of device copy bandwidth ({timing})")
             ax.set_ylabel("% of copy roofline")
             ax.legend(fontsize=8)
         fig.suptitle(f"{meta['gpu']} | torch {meta['torch_version']} | triton {meta['triton_version']} | "
@@ -491,6 +545,8 @@ def plot(folder):
     sweep_csv = os.path.join(folder, "sweep.csv")
     if os.path.exists(sweep_csv):
         frame = pd.read_csv(sweep_csv)
+        kind = "sweep-gpu" if (frame["kind"] == "sweep-gpu").any() else "sweep"
+        frame = frame[frame["kind"] == kind].copy()
         config = frame["implementation"].str.extract(r"bpp=(\d+) (.*)")
         frame["bytes_per_program"] = config[0].astype(int)
         frame["family"] = config[1]
@@ -503,7 +559,7 @@ def plot(folder):
             ax.set_xscale("log", base=2)
             ax.set_title(f"{shape} {dtype}")
             ax.set_xlabel("packed bytes per program")
-            ax.set_ylabel("median us (do_bench, L2 flushed)")
+            ax.set_ylabel("GPU time per call, us (profiler)" if kind == "sweep-gpu" else "us (do_bench, L2 flushed)")
         axes.flat[0].legend(fontsize=7)
         fig.suptitle(f"Launch sweep on {frame.iloc[0]['gpu']} (triton {frame.iloc[0]['triton_version']})", fontsize=10)
         fig.tight_layout()
@@ -548,17 +604,17 @@ def main():
     gpu = torch.cuda.get_device_name()
     meta = run_metadata()
     print(meta)
-    roofline = copy_roofline()
-    print(f"device-to-device copy: {roofline:.0f} GB/s")
-    rows = [roofline_row(meta, roofline)]
+    rooflines = copy_roofline()
+    print("device-to-device copy: " + ", ".join(f"{gbps:.0f} GB/s ({timer})" for timer, gbps in rooflines.items()))
+    rows = roofline_rows(meta, rooflines)
     if "kernels" in sections:
-        rows += bench_kernels(shapes, dtypes, rounds, roofline, meta, tqdm.write)
+        rows += bench_kernels(shapes, dtypes, rounds, rooflines, meta, tqdm.write)
     if "harness" in sections:
         rows += bench_harness(rounds, meta, tqdm.write)
     if "compile" in sections:
-        rows += bench_compile(QUICK_SHAPES[:2], dtypes, rounds, roofline, meta, tqdm.write)
+        rows += bench_compile(QUICK_SHAPES[:2], dtypes, rounds, rooflines, meta, tqdm.write)
     if "sweep" in sections:
-        rows += bench_sweep(QUICK_SHAPES, dtypes, roofline, meta, tqdm.write)
+        rows += bench_sweep(QUICK_SHAPES, dtypes, rooflines, meta, tqdm.write)
 
     folder = write_results(rows, os.path.join(args.out, gpu_slug(gpu)))
     print("wrote", ", ".join(plot(folder)), "and the CSVs in", folder)
@@ -575,15 +631,16 @@ def run_metadata():
                 python=platform.python_version(), **{f"{k}_version": v for k, v in versions().items()})
 
 
-def roofline_row(meta, roofline):
-    return dict(meta, kind="roofline", shape="", dtype="", implementation="copy", median_us=0.0, p20_us=0.0,
-                p80_us=0.0, gbps=roofline, pct_roofline=100.0, extra_peak_bytes=0)
+def roofline_rows(meta, rooflines):
+    return [dict(meta, kind="roofline", shape="", dtype="", implementation=f"copy ({timer})", median_us=0.0,
+                 p20_us=0.0, p80_us=0.0, gbps=gbps, pct_roofline=100.0, extra_peak_bytes=0)
+            for timer, gbps in rooflines.items()]
 
 
 def write_results(rows, folder):
-    """bench.csv (roofline, kernels, harness), sweep.csv and compile.csv, each only if it has rows."""
+    """bench.csv (roofline, kernels by do_bench and by the profiler, harness), sweep.csv and compile.csv, each only if it has rows."""
     os.makedirs(folder, exist_ok=True)
-    for name, kinds in (("bench.csv", ("roofline", "kernel", "harness")), ("sweep.csv", ("sweep",)),
+    for name, kinds in (("bench.csv", ("roofline", "kernel", "kernel-gpu", "harness")), ("sweep.csv", ("roofline", "sweep", "sweep-gpu")),
                         ("compile.csv", ("roofline", "compile", "compile-kernel", "compile-reference"))):
         selected = [row for row in rows if row["kind"] in kinds]
         if any(row["kind"] != "roofline" for row in selected):

@@ -31,3 +31,22 @@ def test_charts_from_results(tmp_path):
     written = bench.plot(str(tmp_path))
     assert [os.path.basename(path) for path in written] == ["kernel_roofline.png", "sweep.png"]
     assert all(os.path.getsize(path) > 10_000 for path in written)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the profiler's GPU records need CUDA")
+def test_gpu_times_per_callable():
+    import torch
+
+    sys.path.insert(0, ROOT)
+    import bench
+    import kernel
+
+    packed, state = bench.make_weight((256, 128), torch.float16)
+    x = torch.ones(4096, device="cuda")
+    times = bench.gpu_times({"ours": lambda: kernel.dequantize_nf4(packed, state), "x*2": lambda: x * 2}, calls=5)
+    assert list(times) == ["ours", "x*2"] and all(ms > 0 for ms in times.values())
+    only = bench.gpu_times({"ours": lambda: kernel.dequantize_nf4(packed, state), "x*2": lambda: x * 2}, calls=5,
+                           only="_dequantize_4bit_kernel")
+    assert only["ours"] > 0 and only["x*2"] == 0
+    with pytest.raises(RuntimeError, match="flushed calls with GPU work"):
+        bench.gpu_times({"nothing": lambda: None}, calls=3)
