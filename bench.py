@@ -381,27 +381,26 @@ def gpu_times(fns, calls=30, only=None):
     os.environ.setdefault("TEARDOWN_CUPTI", "1")
     driver = triton.runtime.driver.active
     cache = driver.get_empty_cache_for_benchmark()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        driver.clear_cache(cache)
-        torch.cuda.synchronize()
-    flush_name = next(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     for fn in fns.values():
         fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for fn in fns.values():
-            for _ in range(calls):
-                driver.clear_cache(cache)
-                fn()
-        torch.cuda.synchronize()
-    records = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
-    per_call = []
-    for record in records:
-        if record.name == flush_name:
-            per_call.append([])
-        elif per_call:
-            per_call[-1].append(record)
+    for attempt in range(3):  # a session re-initialising CUPTI after a teardown came back empty once
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for fn in fns.values():
+                for _ in range(calls):
+                    driver.clear_cache(cache)
+                    fn()
+            torch.cuda.synchronize()
+        records = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: e.time_range.start)
+        per_call = []
+        for record in records:
+            if record.name == records[0].name:  # the session opens with a flush
+                per_call.append([])
+            elif per_call:
+                per_call[-1].append(record)
+        if per_call:
+            break
     if len(per_call) != calls * len(fns) or not all(per_call):
         raise RuntimeError(f"gpu_times: expected {calls * len(fns)} flushed calls with GPU work, found "
                            f"{sum(map(bool, per_call))} of {len(per_call)}")
