@@ -7,11 +7,11 @@ Kernel times are ``triton.testing.do_bench`` medians (L2 flushed between runs), 
 that interleave the contenders; the reported median is the median over rounds, p20/p80 the
 spread over rounds. Beside each ``do_bench`` sample, a round records each contender's GPU time per
 call from the profiler (CUPTI), after the same flush: it leaves out the GPU front end's time
-around the kernel, which ``do_bench``'s CUDA events include. Bandwidth counts n/2 packed + n/64 absmax + the output bytes, against the
-device-to-device copy measured in the same run. Two measuring instruments run beside the
-contenders: ``floor (no decode)``, a kernel that reads the packed bytes and writes the output with
-no decoding, and ``copy (same bytes)``, a device-to-device copy of as many bytes as the weight's
-dequantization moves. The harness carries a third: an fx that only allocates and launches an
+around the kernel, which ``do_bench``'s CUDA events include. Bandwidth counts n/2 packed + n/64
+absmax + the output bytes, against the device-to-device copy measured in the same run. Two
+measuring instruments run beside the contenders: ``floor (no decode)``, a kernel that reads the
+packed bytes and writes the output with no decoding, and ``copy (same bytes)``, a device-to-device
+copy of as many bytes as the weight's dequantization moves. The harness carries a third: an fx that only allocates and launches an
 empty kernel.
 Without a GPU it says so and runs a small correctness demo through the interpreter.
 """
@@ -206,17 +206,14 @@ def bench_kernels(shapes, dtypes, rounds, rooflines, meta, log):
                 samples[name].append(do_bench(call)[0])
             for name, ms in gpu_times(callables).items():
                 gpu_samples[name].append(ms)
-        first = len(rows)
-        for name, call in callables.items():
-            rows.append(timing_row(meta, "kernel", shape, dtype_name, name, summarize(samples[name]),
-                                   rooflines["do_bench"], extra_peak_bytes(call)))
-        for name in callables:
-            rows.append(timing_row(meta, "kernel-gpu", shape, dtype_name, name, summarize(gpu_samples[name]),
-                                   rooflines["profiler"]))
-        log(f"{dtype_name} {shape}: " + ", ".join(
-            f"{r['implementation']} {r['median_us']:.1f} us ({r['pct_roofline']:.0f} %)" for r in rows[first:first + len(callables)]))
-        log(f"{dtype_name} {shape}, GPU time (profiler): " + ", ".join(
-            f"{r['implementation']} {r['median_us']:.2f} us ({r['pct_roofline']:.0f} %)" for r in rows[first + len(callables):]))
+        event_rows = [timing_row(meta, "kernel", shape, dtype_name, name, summarize(samples[name]),
+                                 rooflines["do_bench"], extra_peak_bytes(call)) for name, call in callables.items()]
+        gpu_rows = [timing_row(meta, "kernel-gpu", shape, dtype_name, name, summarize(gpu_samples[name]),
+                               rooflines["profiler"]) for name in callables]
+        for label, new_rows, digits in (("", event_rows, 1), (", GPU time (profiler)", gpu_rows, 2)):
+            log(f"{dtype_name} {shape}{label}: " + ", ".join(
+                f"{r['implementation']} {r['median_us']:.{digits}f} us ({r['pct_roofline']:.0f} %)" for r in new_rows))
+        rows += event_rows + gpu_rows
     return rows
 
 
@@ -384,7 +381,7 @@ def gpu_times(fns, calls=30, only=None):
     for fn in fns.values():
         fn()
     torch.cuda.synchronize()
-    for attempt in range(3):  # a session re-initialising CUPTI after a teardown came back empty once
+    for _ in range(3):  # a session re-initialising CUPTI after a teardown came back empty once
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for fn in fns.values():
                 for _ in range(calls):
@@ -499,7 +496,8 @@ def bench_sweep(shapes, dtypes, rooflines, meta, log):
     rows = []
     for dtype_name, shape, packed, state in tqdm(weights(shapes, dtypes), desc="sweep", total=len(shapes) * len(dtypes)):
         expected = kernel.dequantize_nf4(packed, state)
-        launches = {config_label(config): kernel._launch_plan(packed, state, **config).launch for config in SWEEP_CONFIGS}
+        launches = {config_label(config): kernel._launch_plan(packed, state, **config).launch
+                    for config in SWEEP_CONFIGS}
         for label, fn in launches.items():
             assert torch.equal(fn(), expected), label
             rows.append(timing_row(meta, "sweep", shape, dtype_name, label, do_bench(fn), rooflines["do_bench"]))
@@ -641,9 +639,11 @@ def roofline_rows(meta, rooflines):
 
 
 def write_results(rows, folder):
-    """bench.csv (roofline, kernels by do_bench and by the profiler, harness), sweep.csv and compile.csv, each only if it has rows."""
+    """bench.csv (roofline, kernels by do_bench and by the profiler, harness), sweep.csv and
+    compile.csv, each only if it has rows."""
     os.makedirs(folder, exist_ok=True)
-    for name, kinds in (("bench.csv", ("roofline", "kernel", "kernel-gpu", "harness")), ("sweep.csv", ("roofline", "sweep", "sweep-gpu")),
+    for name, kinds in (("bench.csv", ("roofline", "kernel", "kernel-gpu", "harness")),
+                        ("sweep.csv", ("roofline", "sweep", "sweep-gpu")),
                         ("compile.csv", ("roofline", "compile", "compile-kernel", "compile-reference"))):
         selected = [row for row in rows if row["kind"] in kinds]
         if any(row["kind"] != "roofline" for row in selected):

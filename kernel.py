@@ -199,7 +199,7 @@ def _dequantize_4bit_kernel(
 # sm_90 (H100, measured): 1024 packed bytes (2048 outputs) over 4 warps, 8 packed bytes and 16
 # outputs per thread; from 4 MiB of packed weight on, 2048 bytes over 4 warps (one 16-byte load
 # per thread). The sweep (results/nvidia-h100-80gb-hbm3/sweep.csv, 30 configurations per shape,
-# GPU time per call from the profiler) puts the tier's choice within 0.4 us (1.1 %) of the best
+# GPU time per call from the profiler) puts the tier's choice within 0.5 us (1.1 %) of the best
 # at every swept shape, fp16 / bf16: 1024/4 4.50 / 4.45 us at 4096x1024 (best 4.45 / 4.40, byte
 # loads), 2048/4 51.78 / 51.47 us at 14336x4096 (best 51.49 / 51.30), 202.00 / 201.80 us at
 # 28672x8192 (best 201.57 / 201.40, 2048/8).

@@ -43,10 +43,10 @@ def test_gpu_times_per_callable():
 
     packed, state = bench.make_weight((256, 128), torch.float16)
     x = torch.ones(4096, device="cuda")
-    times = bench.gpu_times({"ours": lambda: kernel.dequantize_nf4(packed, state), "x*2": lambda: x * 2}, calls=5)
+    fns = {"ours": lambda: kernel.dequantize_nf4(packed, state), "x*2": lambda: x * 2}
+    times = bench.gpu_times(fns, calls=5)
     assert list(times) == ["ours", "x*2"] and all(ms > 0 for ms in times.values())
-    only = bench.gpu_times({"ours": lambda: kernel.dequantize_nf4(packed, state), "x*2": lambda: x * 2}, calls=5,
-                           only="_dequantize_4bit_kernel")
+    only = bench.gpu_times(fns, calls=5, only="_dequantize_4bit_kernel")
     assert only["ours"] > 0 and only["x*2"] == 0
     with pytest.raises(RuntimeError, match="flushed calls with GPU work"):
         bench.gpu_times({"nothing": lambda: None}, calls=3)
