@@ -199,10 +199,10 @@ def _dequantize_4bit_kernel(
 # sm_90 (H100, measured): 1024 packed bytes (2048 outputs) over 4 warps, 8 packed bytes and 16
 # outputs per thread; from 4 MiB of packed weight on, 2048 bytes over 4 warps (one 16-byte load
 # per thread). The sweep (results/nvidia-h100-80gb-hbm3/sweep.csv, 30 configurations per shape,
-# GPU time per call from the profiler) puts the tier's choice within 0.5 us (1.1 %) of the best
-# at every swept shape, fp16 / bf16: 1024/4 4.50 / 4.45 us at 4096x1024 (best 4.45 / 4.40, byte
-# loads), 2048/4 51.78 / 51.47 us at 14336x4096 (best 51.49 / 51.30), 202.00 / 201.80 us at
-# 28672x8192 (best 201.57 / 201.40, 2048/8).
+# GPU time per call from the profiler) puts the tier's choice within 0.6 us (1.0 %) of the best
+# at every swept shape, fp16 / bf16: 1024/4 4.45 / 4.46 us at 4096x1024 (the best), 2048/4
+# 51.60 / 51.76 us at 14336x4096 (best 51.46 / 51.23, byte loads), 201.49 / 201.46 us at
+# 28672x8192 (best 201.41 / 201.40).
 # Two runs of 10 interleaved rounds of 1024/4 against 2048/4 (NOTES.md, item 19): 2048/4 was
 # faster at 17 of the 18 cases from 8 MiB of packed weight up, by 0.1 to 0.9 us (for instance
 # 18.80 vs 19.71 us at 2048x8192 fp16, 54.67 vs 55.26 us at 14336x4096 bf16), and slower at
@@ -593,8 +593,7 @@ else:  # Triton 3.3: plain attributes of CompiledKernel, None when unset
 class _LaunchPlan:
     __slots__ = ("key", "state_ref", "packed_shape", "packed_dtype", "absmax", "code", "offset",
                  "blocksize", "quant_type", "nested", "state2", "absmax2", "code2", "blocksize2", "tables",
-                 "shape", "dtype", "device", "device_index", "transpose", "launcher", "function", "metadata",
-                 "grid", "head", "tail", "__weakref__")
+                 "shape", "dtype", "device", "device_index", "transpose", "launch_kernel", "__weakref__")
 
     def __init__(self, weight, packed, qs, shape, transpose, launch):
         compiled, grid, args = launch
@@ -616,12 +615,11 @@ class _LaunchPlan:
         self.tables = tuple(args[1:_OUT_ARG])
         self.shape, self.device, self.transpose = shape, packed.device, transpose
         self.device_index = packed.device.index
-        self.launcher, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
-        self.grid = grid
         # Pointers as integers: the launcher takes them as they are, and the plan keeps the packed
         # weight (the large tensor) alive no longer than its caller does.
-        args = [arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args]
-        self.head, self.tail = tuple(args[:_OUT_ARG]), tuple(args[_OUT_ARG + 1:])
+        args = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
+        self.launch_kernel = _kernel_launcher(compiled, grid, args[:_OUT_ARG], args[_OUT_ARG + 1:],
+                                              torch._C._cuda_getCurrentRawStream(self.device_index), args[_OUT_ARG])
 
     def keep(self):
         _PLANS[self.key] = self
@@ -649,17 +647,92 @@ class _LaunchPlan:
         # size= as a keyword: the positional form goes through torch.empty's varargs overloads,
         # 4.5 against 2.3 us per call on the H100 host (NOTES.md, item 21).
         out = torch.empty(size=self.shape, dtype=self.dtype, device=self.device)
-        args = self.head + (out.data_ptr(),) + self.tail  # a fresh tuple: plans are shared by threads
-        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
-        self.launcher(self.grid, 1, 1, stream, self.function, self.metadata, None, None, None, *args)
+        self.launch_kernel(torch._C._cuda_getCurrentRawStream(self.device_index), out.data_ptr())
         return out.t() if self.transpose else out
+
+
+class _LaunchRecorder:
+    """Stands in for a Triton launcher while the launcher's own ``__call__`` runs: records what it
+    passes to its C launch function instead of launching (the launcher itself, shared by every
+    launch of its kernel, is left untouched)."""
+
+    def __init__(self, launcher):
+        self._launcher = launcher
+        self._forwarded = []
+
+    def __getattr__(self, name):
+        return getattr(self._launcher, name)
+
+    def launch(self, *args):
+        self._forwarded.append(args)
+
+
+def _kernel_launcher(compiled, grid, head, tail, stream, out_ptr):
+    """f(stream, out_ptr): launches ``compiled`` on ``grid`` with the arguments ``head``, ``out_ptr``,
+    ``tail`` (integers), through Triton's C launch function directly where that is safe.
+
+    Triton's Python launcher (``compiled.run``) prepares scratch buffers per call and then calls
+    its C launch function; with no scratch buffers its call is a plain forwarding call, so the
+    arguments it forwards are recorded here and passed straight on: 8.2 to 8.5 us against 9.2 to
+    9.8 us per plan launch on the H100 host, Triton 3.6 (NOTES.md, item 33). Any other shape of
+    call keeps Triton's launcher. ``stream`` and ``out_ptr`` are those of a launch just made: the
+    recording runs the launcher's Python with them, so a launcher that launched by some other
+    route would only repeat that launch."""
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    direct = _direct_launch(run, grid, function, metadata, head + (out_ptr,) + tail, stream)
+    if direct is None:
+        def via_triton(stream, out_ptr):
+            run(grid, 1, 1, stream, function, metadata, None, None, None, *head, out_ptr, *tail)
+
+        return via_triton
+    launch, extras, as_tuple = direct
+    if as_tuple:  # Triton 3.9: the kernel's arguments as one tuple
+        def direct(stream, out_ptr):
+            launch(grid, 1, 1, stream, function, *extras, head + (out_ptr,) + tail)
+    else:  # Triton 3.3 to 3.6: the kernel's arguments spread out
+        fixed = (function, *extras, *head)
+
+        def direct(stream, out_ptr):
+            launch(grid, 1, 1, stream, *fixed, out_ptr, *tail)
+
+    return direct
+
+
+def _direct_launch(run, grid, function, metadata, args, stream):
+    """(C launch function, the extra arguments the launcher forwards, whether the kernel's
+    arguments go as one tuple), or None unless two recordings show one forwarding call each, with
+    the same extras both times (no buffer made per call)."""
+    launch = getattr(run, "launch", None)
+    if not callable(launch) or any(getattr(run, name, 0) for name in
+                                   ("global_scratch_size", "profile_scratch_size", "gsan_enabled")):
+        return None
+    extras = []
+    for _ in range(2):
+        recorder = _LaunchRecorder(run)
+        try:
+            type(run).__call__(recorder, grid, 1, 1, stream, function, metadata, None, None, None, *args)
+        except Exception:  # a launcher this recording does not understand: keep Triton's
+            return None
+        if len(recorder._forwarded) != 1:
+            return None
+        forwarded = recorder._forwarded[0]
+        if forwarded[:5] != (grid, 1, 1, stream, function):
+            return None
+        as_tuple = type(forwarded[-1]) is tuple and forwarded[-1] == args
+        if not as_tuple and forwarded[len(forwarded) - len(args):] != args:
+            return None
+        extras.append(forwarded[5:-1] if as_tuple else forwarded[5:len(forwarded) - len(args)])
+    first, second = extras
+    if len(first) != len(second) or not all(a is b or (type(a) in (bool, int, float, str) and a == b)
+                                            for a, b in zip(first, second)):
+        return None
+    return launch, first, as_tuple
 
 
 # --------------------------------------------------------------------------------------------
 # The challenge's entry points
 # --------------------------------------------------------------------------------------------
-def _your_dequantize_nf4(weight, quant_state):
-    return dequantize_nf4(weight, quant_state)
+_your_dequantize_nf4 = dequantize_nf4  # an alias: one Python call less per harness call
 
 
 def your_dequantize_nf4(layer):

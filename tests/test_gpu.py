@@ -110,6 +110,9 @@ def test_plan_is_used_and_exact():
     for got in (first, second, third):
         assert_bit_exact(got, expected)
     assert len({first.data_ptr(), second.data_ptr(), third.data_ptr()}) == 3
+    # Triton 3.3 to 3.6 forward to their C launch function in a way the plan can record: it must
+    # take the direct launch there, not silently fall back to Triton's launcher.
+    assert kernel._PLANS[(packed.data_ptr(), id(state))].launch_kernel.__name__ == "direct"
 
 
 def test_plan_after_requantization_in_place():
