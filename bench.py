@@ -17,6 +17,7 @@ Without a GPU it says so and runs a small correctness demo through the interpret
 """
 
 import argparse
+import copy
 import csv
 import datetime
 import os
@@ -83,26 +84,38 @@ def params4bit_module(packed, state):
 @triton.jit
 def _expand_floor_kernel(
     packed_ptr,  # uint8 [n_bytes]
+    absmax_ptr,  # uint8 [n_bytes / BYTES_PER_ABSMAX]
     out_ptr,  # fp16/bf16/fp32 [2 * n_bytes]
     n_bytes,  # packed bytes
+    BYTES_PER_ABSMAX: tl.constexpr,  # packed bytes per absmax byte (blocksize / 2)
     BYTES_PER_PROGRAM: tl.constexpr,  # packed bytes per program
+    OUT_HINT: tl.constexpr,  # eviction policy of the output stores
 ):
     """The dequantization's memory traffic with no decoding: each byte becomes two outputs (its
-    nibbles as numbers), with the kernel's tile size and output eviction hint."""
+    nibbles as numbers, plus its block's absmax byte so that the absmax is read as ours reads it),
+    with the kernel's tile size and output eviction hint."""
+    ROWS: tl.constexpr = BYTES_PER_PROGRAM // BYTES_PER_ABSMAX
     pid = tl.program_id(0)
-    offsets = pid * BYTES_PER_PROGRAM + tl.arange(0, BYTES_PER_PROGRAM)
-    packed = tl.load(packed_ptr + offsets, mask=offsets < n_bytes, other=0)
-    values = tl.join((packed >> 4).to(tl.float32), (packed & 0xF).to(tl.float32)).reshape(2 * BYTES_PER_PROGRAM)
-    out_offsets = 2 * pid * BYTES_PER_PROGRAM + tl.arange(0, 2 * BYTES_PER_PROGRAM)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    absmax = tl.load(absmax_ptr + rows, mask=rows * BYTES_PER_ABSMAX < n_bytes, other=0)
+    offsets = rows[:, None] * BYTES_PER_ABSMAX + tl.arange(0, BYTES_PER_ABSMAX)[None, :]
+    packed = tl.load(packed_ptr + offsets, mask=offsets < n_bytes, other=0) + absmax[:, None]
+    values = tl.join((packed >> 4).to(tl.float32), (packed & 0xF).to(tl.float32)).reshape(ROWS, 2 * BYTES_PER_ABSMAX)
+    out_offsets = 2 * rows[:, None] * BYTES_PER_ABSMAX + tl.arange(0, 2 * BYTES_PER_ABSMAX)[None, :]
     tl.store(out_ptr + out_offsets, values.to(out_ptr.dtype.element_ty), mask=out_offsets < 2 * n_bytes,
-             eviction_policy="evict_first")
+             eviction_policy=OUT_HINT)
 
 
 def expand_floor(packed, state):
+    """The floor kernel on a weight: the bytes ours reads and writes (absmax included), with the
+    tile and store hint ``kernel.py`` picks for it."""
     out = torch.empty(tuple(state.shape), dtype=state.dtype, device=packed.device)
     n_bytes = out.numel() // 2
-    bytes_per_program = kernel.launch_config(torch.cuda.get_device_capability(), n_bytes)[0]
-    _expand_floor_kernel[(triton.cdiv(n_bytes, bytes_per_program),)](packed, out, n_bytes, bytes_per_program)
+    variant = kernel.kernel_variant(state.dtype, nested=True, blocksize=state.blocksize, n_elements=out.numel())
+    per_program = max(variant["BYTES_PER_PROGRAM"], state.blocksize // 2)
+    _expand_floor_kernel[(triton.cdiv(n_bytes, per_program),)](
+        packed, state.absmax, out, n_bytes, state.blocksize // 2, per_program,
+        "evict_first" if variant["STREAM_STORES"] else "")
     return out
 
 
@@ -415,13 +428,23 @@ def gpu_times(fns, calls=30, only=None):
 
 
 def compiled_modes(packed, state):
-    """name -> callable: eager and torch.compile of one dequantize call in several modes."""
+    """name -> callable: eager and torch.compile of one dequantize call in several modes. The last
+    runs CUDA graphs on a copy of the weight whose tensors are marked static, as a model's would
+    be: without the mark, every replay first copies each of the six input tensors into the
+    graph's own buffers."""
     modes = {"eager": lambda: kernel.dequantize_nf4(packed, state)}
     for name, options in (("compiled-default", dict()),
                           ("compiled-cpp-wrapper", dict(options={"cpp_wrapper": True})),
                           ("compiled-reduce-overhead", dict(mode="reduce-overhead"))):
         compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), fullgraph=True, **options)
         modes[name] = lambda compiled=compiled: compiled(packed)
+    static_packed, static_state = packed.clone(), copy.deepcopy(state)
+    for tensor in (static_packed, static_state.absmax, static_state.code, static_state.offset,
+                   static_state.state2.absmax, static_state.state2.code):
+        torch._dynamo.mark_static_address(tensor)
+    static = torch.compile(lambda weight: kernel.dequantize_nf4(weight, static_state), fullgraph=True,
+                           mode="reduce-overhead")
+    modes["compiled-reduce-overhead-static"] = lambda: static(static_packed)
     return modes
 
 

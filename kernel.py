@@ -199,10 +199,10 @@ def _dequantize_4bit_kernel(
 # sm_90 (H100, measured): 1024 packed bytes (2048 outputs) over 4 warps, 8 packed bytes and 16
 # outputs per thread; from 4 MiB of packed weight on, 2048 bytes over 4 warps (one 16-byte load
 # per thread). The sweep (results/nvidia-h100-80gb-hbm3/sweep.csv, 30 configurations per shape,
-# GPU time per call from the profiler) puts the tier's choice within 0.6 us (1.0 %) of the best
-# at every swept shape, fp16 / bf16: 1024/4 4.45 / 4.46 us at 4096x1024 (the best), 2048/4
-# 51.60 / 51.76 us at 14336x4096 (best 51.46 / 51.23, byte loads), 201.49 / 201.46 us at
-# 28672x8192 (best 201.41 / 201.40).
+# GPU time per call from the profiler) puts the tier's choice within 0.6 us (1.4 %) of the best
+# at every swept shape, fp16 / bf16: 1024/4 4.48 / 4.48 us at 4096x1024 (best 4.42 / 4.43, byte
+# loads), 2048/4 51.41 / 51.71 us at 14336x4096 (best 51.41 / 51.44, 1024/2), 202.02 / 201.84 us
+# at 28672x8192 (best 201.44 / 201.32, 2048/8).
 # Two runs of 10 interleaved rounds of 1024/4 against 2048/4 (NOTES.md, item 19): 2048/4 was
 # faster at 17 of the 18 cases from 8 MiB of packed weight up, by 0.1 to 0.9 us (for instance
 # 18.80 vs 19.71 us at 2048x8192 fp16, 54.67 vs 55.26 us at 14336x4096 bf16), and slower at
@@ -265,10 +265,10 @@ def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256
     """The constexpr arguments of one kernel variant (also used by the AOT compile test).
     ``word_aligned``: the packed bytes start on a 4-byte boundary; ``capability`` and ``l2_bytes``
     default to the current device's."""
-    if capability is None:
-        capability = _device_facts()[0]
-    if l2_bytes is None:
-        l2_bytes = _device_facts()[1]
+    if capability is None or l2_bytes is None:
+        device_capability, device_l2_bytes = _device_facts()
+        capability = device_capability if capability is None else capability
+        l2_bytes = device_l2_bytes if l2_bytes is None else l2_bytes
     if bytes_per_program is None:
         bytes_per_program = launch_config(capability, (n_elements + 1) // 2)[0]
     if use_asm is None:
@@ -719,9 +719,9 @@ def _direct_launch(run, grid, function, metadata, args, stream):
         if forwarded[:5] != (grid, 1, 1, stream, function):
             return None
         as_tuple = type(forwarded[-1]) is tuple and forwarded[-1] == args
-        if not as_tuple and forwarded[len(forwarded) - len(args):] != args:
+        if not as_tuple and forwarded[-len(args):] != args:  # args is never empty (out_ptr)
             return None
-        extras.append(forwarded[5:-1] if as_tuple else forwarded[5:len(forwarded) - len(args)])
+        extras.append(forwarded[5:-1] if as_tuple else forwarded[5:-len(args)])
     first, second = extras
     if len(first) != len(second) or not all(a is b or (type(a) in (bool, int, float, str) and a == b)
                                             for a, b in zip(first, second)):

@@ -50,3 +50,18 @@ def test_gpu_times_per_callable():
     assert only["ours"] > 0 and only["x*2"] == 0
     with pytest.raises(RuntimeError, match="flushed calls with GPU work"):
         bench.gpu_times({"nothing": lambda: None}, calls=3)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the floor kernel runs on the GPU")
+@pytest.mark.parametrize("shape", [(256, 192), (100, 64)])
+def test_floor_kernel_reads_the_packed_bytes_and_the_absmax(shape):
+    import torch
+
+    sys.path.insert(0, ROOT)
+    import bench
+
+    packed, state = bench.make_weight(shape, torch.float16)
+    out = bench.expand_floor(packed, state)
+    summed = (packed.view(-1).to(torch.int32) + state.absmax.repeat_interleave(32).to(torch.int32)) & 0xFF
+    expected = torch.stack((summed >> 4, summed & 0xF), dim=1).reshape(shape).to(torch.float16)
+    assert torch.equal(out, expected)

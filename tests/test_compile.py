@@ -129,3 +129,19 @@ def test_reduce_overhead_mode():
     eager = kernel.dequantize_nf4(packed, state)
     for _ in range(3):  # CUDA-graph warm-up, record, replay
         assert_bit_exact(compiled(packed).clone(), eager)
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_with_static_inputs_reads_the_weight_on_each_replay():
+    """Weight and state tensors marked static (as a model's parameters are): the graph reads them in
+    place, so bytes re-written in place show up on the next replay."""
+    packed, state = quantize((512, 1024), dtype=torch.float16, device="cuda", seed=4)
+    other, _ = quantize((512, 1024), dtype=torch.float16, device="cuda", seed=5)
+    for tensor in (packed, state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code):
+        torch._dynamo.mark_static_address(tensor)
+    compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), mode="reduce-overhead",
+                             fullgraph=True)
+    for _ in range(3):  # CUDA-graph warm-up, record, replay
+        assert_bit_exact(compiled(packed).clone(), kernel.dequantize_nf4(packed, state))
+    packed.copy_(other)
+    assert_bit_exact(compiled(packed).clone(), kernel.dequantize_nf4(packed, state))
