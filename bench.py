@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 import kernel
 
 SHAPES = [(4096, 1024), (1024, 4096), (8192, 2048), (2048, 8192), (14336, 4096), (4096, 14336), (28672, 8192)]
-QUICK_SHAPES = [(4096, 1024), (14336, 4096), (28672, 8192)]
+QUICK_SHAPES = [(4096, 1024), (8192, 2048), (14336, 4096), (28672, 8192)]
+COMPILE_SHAPES = [(4096, 1024), (14336, 4096)]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 SECTIONS = ("kernels", "harness", "compile", "sweep")
 
@@ -501,21 +502,25 @@ def bench_compile(shapes, dtypes, rounds, rooflines, meta, log):
     return rows
 
 
-# Bytes per program x warps with everything on; then, at 4 warps, one thing off at a time: the
-# inline PTX, the eviction hints, the int32 word loads (loads=auto takes words on these shapes).
+# Bytes per program x warps with everything on; then, at 4 warps, one thing changed at a time: the
+# inline PTX off, the eviction hints off, the int32 word loads off (loads=auto takes words on these
+# shapes), the codebooks in shared memory (tables=auto takes them there only where SHARED_TABLE_SIZES
+# says so).
 SWEEP_CONFIGS = [dict(BYTES_PER_PROGRAM=b, num_warps=w, USE_ASM=True, EVICTION_HINTS=True)
                  for b in (256, 512, 1024, 2048, 4096) for w in (2, 4, 8)]
 SWEEP_CONFIGS += [dict(BYTES_PER_PROGRAM=b, num_warps=4, **change)
                   for b in (256, 512, 1024, 2048, 4096)
                   for change in (dict(USE_ASM=False, EVICTION_HINTS=True),
                                  dict(USE_ASM=True, EVICTION_HINTS=False, STREAM_STORES=False),
-                                 dict(USE_ASM=True, EVICTION_HINTS=True, WORD_LOADS=False))]
+                                 dict(USE_ASM=True, EVICTION_HINTS=True, WORD_LOADS=False),
+                                 dict(USE_ASM=True, EVICTION_HINTS=True, SHARED_TABLES=True))]
 
 
 def config_label(config):
     loads = "bytes" if config.get("WORD_LOADS", True) is False else "auto"
+    tables = " tables=shared" if config.get("SHARED_TABLES") else ""
     return (f"bpp={config['BYTES_PER_PROGRAM']} warps={config['num_warps']} asm={config['USE_ASM']} "
-            f"hints={config['EVICTION_HINTS']} loads={loads}")
+            f"hints={config['EVICTION_HINTS']}{tables} loads={loads}")
 
 
 def bench_sweep(shapes, dtypes, rooflines, meta, log):
@@ -641,7 +646,7 @@ def main():
     if "harness" in sections:
         rows += bench_harness(rounds, meta, tqdm.write)
     if "compile" in sections:
-        rows += bench_compile(QUICK_SHAPES[:2], dtypes, rounds, rooflines, meta, tqdm.write)
+        rows += bench_compile(COMPILE_SHAPES, dtypes, rounds, rooflines, meta, tqdm.write)
     if "sweep" in sections:
         rows += bench_sweep(QUICK_SHAPES, dtypes, rooflines, meta, tqdm.write)
 

@@ -82,9 +82,22 @@ def _add_rn(a, b, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _decode(codes, scale, code_ptr, TABLE_HINT: tl.constexpr, FP4: tl.constexpr, USE_ASM: tl.constexpr):
+def _lookup(table_ptr, indices, TABLE_SIZE: tl.constexpr, TABLE_HINT: tl.constexpr, SHARED_TABLES: tl.constexpr):
+    """table[indices] for an fp32 table of TABLE_SIZE entries: gathered from global memory, or
+    with SHARED_TABLES the table is loaded whole (independently of the indices) and looked up
+    with tl.gather, which Triton lowers through shared memory."""
+    if SHARED_TABLES:
+        table = tl.load(table_ptr + tl.arange(0, TABLE_SIZE), eviction_policy=TABLE_HINT)
+        return tl.reshape(tl.gather(table, tl.reshape(indices, (indices.numel,)), 0), indices.shape)
+    else:
+        return tl.load(table_ptr + indices, eviction_policy=TABLE_HINT)
+
+
+@triton.jit
+def _decode(codes, scale, code_ptr, TABLE_HINT: tl.constexpr, FP4: tl.constexpr, USE_ASM: tl.constexpr,
+            SHARED_TABLES: tl.constexpr):
     """fp32 weights from int32 4-bit codes and their block scales (same shape)."""
-    values = tl.load(code_ptr + codes, eviction_policy=TABLE_HINT)
+    values = _lookup(code_ptr, codes, 16, TABLE_HINT, SHARED_TABLES)
     if FP4:
         # bitsandbytes' CUDA kernel forms an FP4 value as sign * magnitude, so code 8 decodes to
         # -0.0 where the table holds +0.0: set the sign bit from the code's top bit.
@@ -132,6 +145,7 @@ def _dequantize_4bit_kernel(
     USE_ASM: tl.constexpr,  # inline-PTX arithmetic (NVIDIA only)
     BF16_VIA_INT: tl.constexpr,  # round to bf16 with integer ops (sm_75, interpreter)
     EVICTION_HINTS: tl.constexpr,  # evict_last on the tables
+    SHARED_TABLES: tl.constexpr,  # look the codebooks up in shared memory (tl.gather), not global memory
     STREAM_STORES: tl.constexpr,  # evict_first on the output stores (outputs of several L2 sizes)
 ):
     # A tile is ROWS x COLS packed bytes; every row lies inside one quantization block, so the
@@ -151,7 +165,7 @@ def _dequantize_4bit_kernel(
     block = row_start // BYTES_PER_BLOCK  # [ROWS]
     if NESTED:
         absmax_q = tl.load(absmax_ptr + block, mask=row_mask, other=0, eviction_policy=TABLE_HINT)
-        absmax_code = tl.load(code2_ptr + absmax_q.to(tl.int32), eviction_policy=TABLE_HINT)
+        absmax_code = _lookup(code2_ptr, absmax_q.to(tl.int32), 256, TABLE_HINT, SHARED_TABLES)
         absmax2 = tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=row_mask, other=0, eviction_policy=TABLE_HINT)
         offset = tl.load(offset_ptr)
         scale = _add_rn(_mul_ftz(absmax_code, absmax2, USE_ASM), offset, USE_ASM)
@@ -171,15 +185,16 @@ def _dequantize_4bit_kernel(
         element = tl.arange(0, 8)
         shifts = 8 * (element // 2) + 4 * (1 - element % 2)
         codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, (ROWS, 2 * COLS))
-        values = _decode(codes, tl.broadcast_to(scale[:, None], (ROWS, 2 * COLS)), code_ptr, TABLE_HINT, FP4, USE_ASM)
+        values = _decode(codes, tl.broadcast_to(scale[:, None], (ROWS, 2 * COLS)), code_ptr, TABLE_HINT, FP4, USE_ASM,
+                         SHARED_TABLES)
     else:
         # Bytes: decode the high and low nibbles apart, then interleave the fp32 values (joining
         # the codes before the lookup instead measured 13 to 30 % slower on the H100, NOTES.md item 14).
         byte_offsets = row_start[:, None] + tl.arange(0, COLS)[None, :]
         packed = tl.load(packed_ptr + byte_offsets, mask=byte_offsets < n_bytes, other=0).to(tl.int32)
         row_scale = tl.broadcast_to(scale[:, None], (ROWS, COLS))
-        high = _decode(packed >> 4, row_scale, code_ptr, TABLE_HINT, FP4, USE_ASM)
-        low = _decode(packed & 0xF, row_scale, code_ptr, TABLE_HINT, FP4, USE_ASM)
+        high = _decode(packed >> 4, row_scale, code_ptr, TABLE_HINT, FP4, USE_ASM, SHARED_TABLES)
+        low = _decode(packed & 0xF, row_scale, code_ptr, TABLE_HINT, FP4, USE_ASM, SHARED_TABLES)
         values = tl.join(high, low).reshape(ROWS, 2 * COLS)  # element 2j is byte j's high nibble
 
     if OUT_DTYPE == tl.bfloat16 and BF16_VIA_INT:
@@ -198,11 +213,12 @@ def _dequantize_4bit_kernel(
 #
 # sm_90 (H100, measured): 1024 packed bytes (2048 outputs) over 4 warps, 8 packed bytes and 16
 # outputs per thread; from 4 MiB of packed weight on, 2048 bytes over 4 warps (one 16-byte load
-# per thread). The sweep (results/nvidia-h100-80gb-hbm3/sweep.csv, 30 configurations per shape,
-# GPU time per call from the profiler) puts the tier's choice within 0.6 us (1.4 %) of the best
-# at every swept shape, fp16 / bf16: 1024/4 4.48 / 4.48 us at 4096x1024 (best 4.42 / 4.43, byte
-# loads), 2048/4 51.41 / 51.71 us at 14336x4096 (best 51.41 / 51.44, 1024/2), 202.02 / 201.84 us
-# at 28672x8192 (best 201.44 / 201.32, 2048/8).
+# per thread). The sweep (results/nvidia-h100-80gb-hbm3/sweep.csv, 35 configurations per shape,
+# GPU time per call from the profiler, one sample each), fp16 / bf16: the tier's choice took
+# 4.51 / 4.50 us at 4096x1024 (best 4.42 / 4.42), 15.31 / 15.44 us at 8192x2048 (codebooks in
+# shared memory; best 14.43 / 14.66, 2048/2), 51.55 / 51.86 us at 14336x4096 (best 51.18 / 51.58,
+# 1024/2) and 201.94 / 201.89 us at 28672x8192 (best 200.71 / 200.45, 512/4 with the codebooks in
+# shared memory). The best ones at 8192x2048 and 28672x8192 are leads not yet checked in rounds.
 # Two runs of 10 interleaved rounds of 1024/4 against 2048/4 (NOTES.md, item 19): 2048/4 was
 # faster at 17 of the 18 cases from 8 MiB of packed weight up, by 0.1 to 0.9 us (for instance
 # 18.80 vs 19.71 us at 2048x8192 fp16, 54.67 vs 55.26 us at 14336x4096 bf16), and slower at
@@ -258,10 +274,20 @@ def set_launch_config(bytes_per_program=None, num_warps=None):
 # the L2 is a guess for the T4 (4 MB) and the L4 (48 MB).
 STREAM_STORES_L2_MULTIPLE = 4
 
+# Compute capability -> the packed weight sizes [from, to) whose codebooks are looked up in shared
+# memory. ptxas then gives the 2048/4 program 32 registers instead of 40 (sm_90), so 16 programs
+# fit on an H100 SM instead of 12 and a grid of a few waves loses less to its last one. H100, GPU
+# time per call, 6 paired rounds (NOTES.md, item 41), shared vs global: 7.58 vs 8.84 us at
+# 4096x2048 fp16 (4 MiB packed), 15.21 vs 15.95 us at 8192x2048 fp16, 15.19 vs 16.02 us at
+# 2048x8192 bf16; level at 4096x6144 (12 MiB: 23.02 vs 22.98 us); slower from 16 MiB on (30.59 vs
+# 30.02 us at 8192x4096, 52.32 vs 51.66 us at 14336x4096), where the extra shared-memory round
+# trip costs more than the last wave. Not measured on other GPUs, so not used there.
+SHARED_TABLE_SIZES = {(9, 0): (4 << 20, 12 << 20)}
+
 
 def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256, n_elements=0, word_aligned=True,
                    use_asm=None, bf16_via_int=None, capability=None, l2_bytes=None, bytes_per_program=None,
-                   eviction_hints=True):
+                   eviction_hints=True, shared_tables=None):
     """The constexpr arguments of one kernel variant (also used by the AOT compile test).
     ``word_aligned``: the packed bytes start on a 4-byte boundary; ``capability`` and ``l2_bytes``
     default to the current device's."""
@@ -275,6 +301,9 @@ def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256
         use_asm = not INTERPRET and _is_nvidia()
     if bf16_via_int is None:
         bf16_via_int = INTERPRET or capability < (8, 0)
+    if shared_tables is None:
+        smallest, largest = SHARED_TABLE_SIZES.get(tuple(capability), (0, 0))
+        shared_tables = smallest <= (n_elements + 1) // 2 < largest
     return dict(
         BLOCKSIZE=blocksize,
         BLOCKSIZE2=blocksize2 if nested else 1,
@@ -288,6 +317,7 @@ def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256
         USE_ASM=use_asm,
         BF16_VIA_INT=bf16_via_int,
         EVICTION_HINTS=eviction_hints,
+        SHARED_TABLES=shared_tables,
         STREAM_STORES=eviction_hints and 0 < STREAM_STORES_L2_MULTIPLE * l2_bytes <= n_elements * out_dtype.itemsize,
     )
 

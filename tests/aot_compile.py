@@ -33,8 +33,9 @@ OUT_POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "
 
 def variants(capability):
     """Every combination the wrapper can launch on a GPU of this capability (word loads where the
-    packed bytes allow them, byte loads elsewhere), and one with the eviction hints off (the
-    launch sweep's other family). Yields (out_dtype, nested, use_asm, use_int64, num_warps, constexprs),
+    packed bytes allow them, byte loads elsewhere), one with the eviction hints off (the launch
+    sweep's other family), and the codebooks in shared memory (the H100's mid-size weights).
+    Yields (out_dtype, nested, use_asm, use_int64, num_warps, constexprs),
     constexprs and warps chosen for the weight size as the wrapper chooses them."""
     def variant(out_dtype, nested, fp4=False, n_elements=0, use_asm=True, **changes):
         constexprs = kernel.kernel_variant(out_dtype, nested=nested, fp4=fp4, n_elements=n_elements, use_asm=use_asm,
@@ -51,6 +52,8 @@ def variants(capability):
         # 2 elements: one packed byte, not a whole word, so byte loads
         yield variant(out_dtype, nested, fp4, n_elements=2)
     yield variant(torch.float16, True, eviction_hints=False)
+    for out_dtype, nested, fp4 in itertools.product(kernel.OUTPUT_DTYPES, (True, False), (False, True)):
+        yield variant(out_dtype, nested, fp4, n_elements=4096 * 2048, shared_tables=True)
 
 
 def compile_variant(capability, out_dtype, nested, num_warps, constexprs):
@@ -84,6 +87,7 @@ def main():
             "bf16_via_int": constexprs["BF16_VIA_INT"],
             "eviction_hints": constexprs["EVICTION_HINTS"],
             "word_loads": constexprs["WORD_LOADS"],
+            "shared_tables": constexprs["SHARED_TABLES"],
             "stream_stores": constexprs["STREAM_STORES"],
             "cubin_bytes": len(compiled.asm["cubin"]),
             "asm_mul_ftz": sum("mul.rn.ftz.f32" in block for block in asm_blocks),
@@ -92,6 +96,7 @@ def main():
             "evict_first_loads": len(re.findall(r"ld\.global[.\w:]*evict_first", ptx)),
             "evict_last_loads": len(re.findall(r"ld\.global[.\w:]*evict_last", ptx)),
             "evict_first_stores": len(re.findall(r"st\.global[.\w:]*evict_first", ptx)),
+            "shared_loads": len(re.findall(r"ld\.shared", ptx)),
         }), flush=True)
 
 

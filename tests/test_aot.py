@@ -22,7 +22,7 @@ def compiled(request):
                             capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 3 * 2 * 2 * 2 * 2 + 3 * 2 * 2 + 1, result.stdout
+    assert len(rows) == 3 * 2 * 2 * 2 * 2 + 3 * 2 * 2 + 1 + 3 * 2 * 2, result.stdout
     return request.param, rows
 
 
@@ -30,6 +30,8 @@ def test_cubin_for_every_variant(compiled):
     _, rows = compiled
     assert all(row["cubin_bytes"] > 0 for row in rows)
     assert {row["word_loads"] for row in rows} == {True, False}
+    assert {row["shared_tables"] for row in rows} == {True, False}
+    assert all(row["shared_loads"] > 0 for row in rows if row["shared_tables"])
 
 
 def test_inline_asm_does_the_arithmetic(compiled):

@@ -35,6 +35,33 @@ def test_every_variant(shape, dtype, nested, quant_type, use_asm, bf16_via_int, 
     assert_bit_exact(got, bnb_dequantize(packed, state))
 
 
+@pytest.mark.parametrize("byte_loads", [False, True], ids=["auto-loads", "byte-loads"])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 100), (17, 129), (1024, 4096 + 64)], ids=str)
+def test_every_variant_with_shared_tables(shape, dtype, nested, quant_type, byte_loads):
+    """The codebooks looked up in shared memory (the H100's choice for 4 to 12 MiB of packed weight)
+    give bitsandbytes' bits on every shape, dtype, format and load width."""
+    packed, state = quantize(shape, dtype=dtype, nested=nested, quant_type=quant_type, device="cuda",
+                             seed=shape[0] + 1)
+    overrides = dict(WORD_LOADS=False) if byte_loads else {}
+    got = kernel._dequantize(packed, state, None, SHARED_TABLES=True, **overrides)
+    assert_bit_exact(got, bnb_dequantize(packed, state))
+
+
+def test_shared_tables_tier_on_the_gpu():
+    """A weight inside the H100's shared-table range takes that path (through its plan too) and
+    stays bit-exact."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the shared-table range is set for sm_90 only")
+    packed, state = quantize((4096, 2048), dtype=torch.bfloat16, device="cuda", seed=16)
+    assert kernel.kernel_variant(torch.bfloat16, nested=True, n_elements=4096 * 2048)["SHARED_TABLES"]
+    expected = bnb_dequantize(packed, state)
+    for _ in range(2):  # the validating call, then the plan
+        assert_bit_exact(kernel.dequantize_nf4(packed, state), expected)
+
+
 def synthetic_state(n_elements, dtype, seed=0):
     """A valid nested NF4 state built directly (bitsandbytes' quantizer is not needed for it)."""
     import bitsandbytes.functional as F

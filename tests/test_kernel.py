@@ -72,6 +72,29 @@ def test_byte_loads_forced(device):
     assert_bit_exact(kernel._dequantize(packed, state, None, WORD_LOADS=True), expected)
 
 
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
+@pytest.mark.parametrize("word_loads", [True, False], ids=["words", "bytes"])
+def test_shared_tables_forced(word_loads, nested, quant_type, device):
+    """The codebooks looked up in shared memory (tl.gather) give the same bits as the global gathers,
+    with either load width, nested or not, NF4 or FP4."""
+    packed, state = quantize((16, 4096 + 64), dtype=torch.float16, nested=nested, quant_type=quant_type,
+                             device=device, seed=15)
+    expected = bnb_dequantize(packed, state)
+    assert_bit_exact(kernel._dequantize(packed, state, None, SHARED_TABLES=True, WORD_LOADS=word_loads), expected)
+    assert_bit_exact(kernel._dequantize(packed, state, None, SHARED_TABLES=False, WORD_LOADS=word_loads), expected)
+
+
+def test_shared_tables_by_weight_size():
+    """The shared-memory lookup is chosen by packed size where a GPU's table has a range, else never."""
+    smallest, largest = kernel.SHARED_TABLE_SIZES[(9, 0)]
+    variant = lambda n_bytes, capability: kernel.kernel_variant(torch.float16, nested=True, n_elements=2 * n_bytes,
+                                                                capability=capability, l2_bytes=50 << 20)
+    assert [variant(n, (9, 0))["SHARED_TABLES"] for n in (smallest - 1, smallest, largest - 1, largest)] == [
+        False, True, True, False]
+    assert not variant(smallest, (8, 9))["SHARED_TABLES"] and not variant(smallest, (7, 5))["SHARED_TABLES"]
+
+
 @pytest.mark.parametrize("storage", [torch.uint8, torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_quant_storage(storage, device):
     packed, state = quantize((16, 96), dtype=torch.bfloat16, storage=storage, device=device, seed=5)
