@@ -513,7 +513,8 @@ SWEEP_CONFIGS += [dict(BYTES_PER_PROGRAM=b, num_warps=4, **change)
                   for change in (dict(USE_ASM=False, EVICTION_HINTS=True),
                                  dict(USE_ASM=True, EVICTION_HINTS=False, STREAM_STORES=False),
                                  dict(USE_ASM=True, EVICTION_HINTS=True, WORD_LOADS=False),
-                                 dict(USE_ASM=True, EVICTION_HINTS=True, SHARED_TABLES=True))]
+                                 *([dict(USE_ASM=True, EVICTION_HINTS=True, SHARED_TABLES=True)]
+                                   if kernel.TRITON_COMPILES_SHARED_TABLES else []))]
 
 
 def config_label(config):

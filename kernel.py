@@ -283,6 +283,9 @@ STREAM_STORES_L2_MULTIPLE = 4
 # 30.02 us at 8192x4096, 52.32 vs 51.66 us at 14336x4096), where the extra shared-memory round
 # trip costs more than the last wave. Not measured on other GPUs, so not used there.
 SHARED_TABLE_SIZES = {(9, 0): (4 << 20, 12 << 20)}
+# Triton 3.3.1's compiler aborts on these gathers (an assertion in OptimizeThreadLocality); 3.6 and
+# 3.9 compile them, 3.4 and 3.5 were not tried. Older Tritons keep the global-memory lookup.
+TRITON_COMPILES_SHARED_TABLES = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6)
 
 
 def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256, n_elements=0, word_aligned=True,
@@ -303,7 +306,7 @@ def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256
         bf16_via_int = INTERPRET or capability < (8, 0)
     if shared_tables is None:
         smallest, largest = SHARED_TABLE_SIZES.get(tuple(capability), (0, 0))
-        shared_tables = smallest <= (n_elements + 1) // 2 < largest
+        shared_tables = TRITON_COMPILES_SHARED_TABLES and smallest <= (n_elements + 1) // 2 < largest
     return dict(
         BLOCKSIZE=blocksize,
         BLOCKSIZE2=blocksize2 if nested else 1,

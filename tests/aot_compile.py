@@ -52,8 +52,9 @@ def variants(capability):
         # 2 elements: one packed byte, not a whole word, so byte loads
         yield variant(out_dtype, nested, fp4, n_elements=2)
     yield variant(torch.float16, True, eviction_hints=False)
-    for out_dtype, nested, fp4 in itertools.product(kernel.OUTPUT_DTYPES, (True, False), (False, True)):
-        yield variant(out_dtype, nested, fp4, n_elements=4096 * 2048, shared_tables=True)
+    if kernel.TRITON_COMPILES_SHARED_TABLES:
+        for out_dtype, nested, fp4 in itertools.product(kernel.OUTPUT_DTYPES, (True, False), (False, True)):
+            yield variant(out_dtype, nested, fp4, n_elements=4096 * 2048, shared_tables=True)
 
 
 def compile_variant(capability, out_dtype, nested, num_warps, constexprs):

@@ -6,6 +6,7 @@ packed weight and the quant state are left untouched.
 
 import pytest
 import torch
+import triton
 
 import bench
 import kernel
@@ -78,6 +79,8 @@ def test_byte_loads_forced(device):
 def test_shared_tables_forced(word_loads, nested, quant_type, device):
     """The codebooks looked up in shared memory (tl.gather) give the same bits as the global gathers,
     with either load width, nested or not, NF4 or FP4."""
+    if device == "cuda" and not kernel.TRITON_COMPILES_SHARED_TABLES:
+        pytest.skip(f"Triton {triton.__version__} cannot compile the shared-memory lookup")
     packed, state = quantize((16, 4096 + 64), dtype=torch.float16, nested=nested, quant_type=quant_type,
                              device=device, seed=15)
     expected = bnb_dequantize(packed, state)
@@ -90,8 +93,9 @@ def test_shared_tables_by_weight_size():
     smallest, largest = kernel.SHARED_TABLE_SIZES[(9, 0)]
     variant = lambda n_bytes, capability: kernel.kernel_variant(torch.float16, nested=True, n_elements=2 * n_bytes,
                                                                 capability=capability, l2_bytes=50 << 20)
+    inside = kernel.TRITON_COMPILES_SHARED_TABLES  # never where Triton cannot compile it
     assert [variant(n, (9, 0))["SHARED_TABLES"] for n in (smallest - 1, smallest, largest - 1, largest)] == [
-        False, True, True, False]
+        False, inside, inside, False]
     assert not variant(smallest, (8, 9))["SHARED_TABLES"] and not variant(smallest, (7, 5))["SHARED_TABLES"]
 
 
