@@ -428,6 +428,16 @@ def gpu_times(fns, calls=30, only=None):
             for index, name in enumerate(fns)}
 
 
+def static_weight(packed, state):
+    """A copy of a nested weight whose packed bytes and five state tensors are marked static for
+    CUDA graphs, as a model's parameters would be (the caller's tensors stay unmarked)."""
+    static_packed, static_state = packed.clone(), copy.deepcopy(state)
+    for tensor in (static_packed, static_state.absmax, static_state.code, static_state.offset,
+                   static_state.state2.absmax, static_state.state2.code):
+        torch._dynamo.mark_static_address(tensor)
+    return static_packed, static_state
+
+
 def compiled_modes(packed, state):
     """name -> callable: eager and torch.compile of one dequantize call in several modes. The last
     runs CUDA graphs on a copy of the weight whose tensors are marked static, as a model's would
@@ -439,10 +449,7 @@ def compiled_modes(packed, state):
                           ("compiled-reduce-overhead", dict(mode="reduce-overhead"))):
         compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), fullgraph=True, **options)
         modes[name] = lambda compiled=compiled: compiled(packed)
-    static_packed, static_state = packed.clone(), copy.deepcopy(state)
-    for tensor in (static_packed, static_state.absmax, static_state.code, static_state.offset,
-                   static_state.state2.absmax, static_state.state2.code):
-        torch._dynamo.mark_static_address(tensor)
+    static_packed, static_state = static_weight(packed, state)
     static = torch.compile(lambda weight: kernel.dequantize_nf4(weight, static_state), fullgraph=True,
                            mode="reduce-overhead")
     modes["compiled-reduce-overhead-static"] = lambda: static(static_packed)

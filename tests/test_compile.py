@@ -135,10 +135,8 @@ def test_reduce_overhead_mode():
 def test_reduce_overhead_with_static_inputs_reads_the_weight_on_each_replay():
     """Weight and state tensors marked static (as a model's parameters are): the graph reads them in
     place, so bytes re-written in place show up on the next replay."""
-    packed, state = quantize((512, 1024), dtype=torch.float16, device="cuda", seed=4)
+    packed, state = bench.static_weight(*quantize((512, 1024), dtype=torch.float16, device="cuda", seed=4))
     other, _ = quantize((512, 1024), dtype=torch.float16, device="cuda", seed=5)
-    for tensor in (packed, state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code):
-        torch._dynamo.mark_static_address(tensor)
     compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), mode="reduce-overhead",
                              fullgraph=True)
     for _ in range(3):  # CUDA-graph warm-up, record, replay
