@@ -109,14 +109,15 @@ def _expand_floor_kernel(
 
 def expand_floor(packed, state):
     """The floor kernel on a weight: the bytes ours reads and writes (absmax included), with the
-    tile and store hint ``kernel.py`` picks for it."""
+    tile, warps and store hint ``kernel.py`` picks for it."""
     out = torch.empty(tuple(state.shape), dtype=state.dtype, device=packed.device)
     n_bytes = out.numel() // 2
     variant = kernel.kernel_variant(state.dtype, nested=True, blocksize=state.blocksize, n_elements=out.numel())
+    num_warps = kernel.launch_config(kernel._device_facts(packed.device)[0], n_bytes)[1]
     per_program = max(variant["BYTES_PER_PROGRAM"], state.blocksize // 2)
     _expand_floor_kernel[(triton.cdiv(n_bytes, per_program),)](
         packed, state.absmax, out, n_bytes, state.blocksize // 2, per_program,
-        "evict_first" if variant["STREAM_STORES"] else "")
+        "evict_first" if variant["STREAM_STORES"] else "", num_warps=num_warps)
     return out
 
 
@@ -509,26 +510,24 @@ def bench_compile(shapes, dtypes, rounds, rooflines, meta, log):
     return rows
 
 
-# Bytes per program x warps with everything on; then, at 4 warps, one thing changed at a time: the
-# inline PTX off, the eviction hints off, the int32 word loads off (loads=auto takes words on these
-# shapes), the codebooks in shared memory (tables=auto takes them there only where SHARED_TABLE_SIZES
-# says so).
-SWEEP_CONFIGS = [dict(BYTES_PER_PROGRAM=b, num_warps=w, USE_ASM=True, EVICTION_HINTS=True)
+# Bytes per program x warps with everything on, with the codebooks in global memory and (from
+# Triton 3.6) in shared memory; then, at 4 warps, one thing changed at a time: the inline PTX off,
+# the eviction hints off, the int32 word loads off (loads=auto takes words on these shapes).
+SWEEP_CONFIGS = [dict(BYTES_PER_PROGRAM=b, num_warps=w, USE_ASM=True, EVICTION_HINTS=True, SHARED_TABLES=shared)
+                 for shared in ((False, True) if kernel.TRITON_COMPILES_SHARED_TABLES else (False,))
                  for b in (256, 512, 1024, 2048, 4096) for w in (2, 4, 8)]
-SWEEP_CONFIGS += [dict(BYTES_PER_PROGRAM=b, num_warps=4, **change)
+SWEEP_CONFIGS += [dict(BYTES_PER_PROGRAM=b, num_warps=4, SHARED_TABLES=False, **change)
                   for b in (256, 512, 1024, 2048, 4096)
                   for change in (dict(USE_ASM=False, EVICTION_HINTS=True),
                                  dict(USE_ASM=True, EVICTION_HINTS=False, STREAM_STORES=False),
-                                 dict(USE_ASM=True, EVICTION_HINTS=True, WORD_LOADS=False),
-                                 *([dict(USE_ASM=True, EVICTION_HINTS=True, SHARED_TABLES=True)]
-                                   if kernel.TRITON_COMPILES_SHARED_TABLES else []))]
+                                 dict(USE_ASM=True, EVICTION_HINTS=True, WORD_LOADS=False))]
 
 
 def config_label(config):
     loads = "bytes" if config.get("WORD_LOADS", True) is False else "auto"
-    tables = " tables=shared" if config.get("SHARED_TABLES") else ""
+    tables = "shared" if config["SHARED_TABLES"] else "global"
     return (f"bpp={config['BYTES_PER_PROGRAM']} warps={config['num_warps']} asm={config['USE_ASM']} "
-            f"hints={config['EVICTION_HINTS']}{tables} loads={loads}")
+            f"hints={config['EVICTION_HINTS']} tables={tables} loads={loads}")
 
 
 def bench_sweep(shapes, dtypes, rooflines, meta, log):
@@ -593,18 +592,22 @@ def plot(folder):
         frame["bytes_per_program"] = config[0].astype(int)
         frame["family"] = config[1]
         groups = list(frame.groupby(["shape", "dtype"], sort=False))
-        fig, axes = plt.subplots(2, (len(groups) + 1) // 2, figsize=(15, 8), squeeze=False)
+        fig, axes = plt.subplots(2, (len(groups) + 1) // 2, figsize=(15, 9), squeeze=False)
         for ax, ((shape, dtype), rows) in zip(axes.flat, groups):
             for family, line in rows.groupby("family"):
                 line = line.sort_values("bytes_per_program")
                 ax.plot(line["bytes_per_program"], line["median_us"], marker="o", label=family)
+            best = rows["median_us"].min()
+            ax.set_ylim(best * 0.98, best * 1.3)  # the close configurations; the slow ones run off the top
             ax.set_xscale("log", base=2)
-            ax.set_title(f"{shape} {dtype}")
+            ax.set_title(f"{shape} {dtype} (best {best:.2f} us)")
             ax.set_xlabel("packed bytes per program")
             ax.set_ylabel("GPU time per call, us (profiler)" if kind == "sweep-gpu" else "us (do_bench, L2 flushed)")
-        axes.flat[0].legend(fontsize=7)
-        fig.suptitle(f"Launch sweep on {frame.iloc[0]['gpu']} (triton {frame.iloc[0]['triton_version']})", fontsize=10)
-        fig.tight_layout()
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
+        fig.suptitle(f"Launch sweep on {frame.iloc[0]['gpu']} (triton {frame.iloc[0]['triton_version']}); "
+                     "y axis up to 1.3x each shape's best", fontsize=10)
+        fig.tight_layout(rect=(0, 0.08, 1, 1))
         written.append(os.path.join(folder, "sweep.png"))
         fig.savefig(written[-1], dpi=100)
         plt.close(fig)

@@ -209,22 +209,35 @@ def _dequantize_4bit_kernel(
 # Launch configuration
 # --------------------------------------------------------------------------------------------
 # Compute capability -> launch tiers (smallest packed weight in bytes, packed bytes per program,
-# warps per program); a weight takes the last tier it reaches.
+# warps per program, codebooks in shared memory); a weight takes the last tier it reaches. A tier
+# with the codebooks in shared memory is passed over where Triton cannot compile that lookup
+# (TRITON_COMPILES_SHARED_TABLES), so the tier before it, from the same size, is its fallback.
 #
-# sm_90 (H100, measured): 1024 packed bytes (2048 outputs) over 4 warps, 8 packed bytes and 16
-# outputs per thread; from 4 MiB of packed weight on, 2048 bytes over 4 warps (one 16-byte load
-# per thread). The sweep (results/nvidia-h100-80gb-hbm3/sweep.csv, 35 configurations per shape,
-# GPU time per call from the profiler, one sample each), fp16 / bf16: the tier's choice took
-# 4.51 / 4.50 us at 4096x1024 (best 4.42 / 4.42), 15.31 / 15.44 us at 8192x2048 (codebooks in
-# shared memory; best 14.43 / 14.66, 2048/2), 51.55 / 51.86 us at 14336x4096 (best 51.18 / 51.58,
-# 1024/2) and 201.94 / 201.89 us at 28672x8192 (best 200.71 / 200.45, 512/4 with the codebooks in
-# shared memory). The best ones at 8192x2048 and 28672x8192 are leads not yet checked in rounds.
-# Two runs of 10 interleaved rounds of 1024/4 against 2048/4 (NOTES.md, item 19): 2048/4 was
-# faster at 17 of the 18 cases from 8 MiB of packed weight up, by 0.1 to 0.9 us (for instance
-# 18.80 vs 19.71 us at 2048x8192 fp16, 54.67 vs 55.26 us at 14336x4096 bf16), and slower at
-# 5 of the 6 cases of 2 MiB (7.87 vs 7.46 us at 4096x1024 bf16), where the grid needs the
-# extra programs. Fewer bytes per thread loses badly (256 bytes over 8 warps: 526 us at
-# 28672x8192).
+# The shared-memory lookup (SHARED_TABLES, `tl.gather`) loads each codebook whole into shared
+# memory and costs a barrier and a shared load per code, but ptxas then gives the program fewer
+# registers (ptxas for sm_90: 32 instead of 40 at 2048/4, 32 instead of 64 at 2048/2, 20 instead of
+# 26 at 512/4), so more programs are resident and a grid of a few waves loses less to its last one.
+#
+# sm_90 (H100, measured): GPU time per call (profiler), 6 to 8 paired rounds per size, the tier
+# against its neighbours (NOTES.md, items 19, 41 and 43). Tier boundaries lie between measured sizes.
+# - below 2.25 MiB of packed weight, 1024 bytes over 4 warps: 4.48 us at 2048x2048 fp16 (2 MiB)
+#   against 4.68 to 4.90 us for 1024/2 and the 2048-byte programs.
+# - from 2.25 MiB, 2048 bytes over 4 warps with the codebooks in shared memory: 5.18 against
+#   6.37 us (1024/4) at 5120x1024 bf16 (2.5 MiB), 5.93 against 7.18 us at 4096x1536 fp16 (3 MiB),
+#   7.54 against 7.66 us (2048/2 shared) and 8.98 us (2048/4 global) at 2048x4096 fp16 (4 MiB).
+# - from 4.25 MiB, 2048 bytes over 2 warps, shared: 8.70 against 9.71 us (2048/4 shared) at
+#   4608x2048 bf16 (4.5 MiB), 11.34 against 12.46 us at 4096x3072 fp16, 14.50 against 15.22 us at
+#   8192x2048 fp16, 22.66 against 22.84 us (2048/4 global) at 4096x6144 fp16, 29.66 against
+#   29.91 us at 8192x4096 bf16 (16 MiB). Programs of 64 threads reach the limit of 32 programs per
+#   SM, so a grid of up to 8.25 MiB runs in one wave (2048/4 shared: 16 per SM, 4.125 MiB).
+# - from 17 MiB, 2048 bytes over 4 warps, global codebooks: 33.38 against 34.04 us (2048/2 shared)
+#   at 9216x4096 fp16 (18 MiB), level with 1024/2 and 512/4 shared from 20 to 40 MiB (51.81 against
+#   51.70 us at 14336x4096 fp16; 58.93 against 59.26 us for 512/4 shared at 8192x8192 bf16).
+# - from 48 MiB, 512 bytes over 4 warps, shared: level at 12288x8192 bf16 (87.50 against 87.59 us),
+#   101.44 against 101.85 us at 14336x8192 fp16, 200.69 against 201.84 us at 28672x8192 bf16, below
+#   the same-bytes floor kernel (201.35 us). With global codebooks 512/4 takes 217 us there, though
+#   its 26 registers allow full residency too (not understood); 256-byte programs take 277 us
+#   (459k programs; perhaps the rate at which the GPU starts programs), 512/2 and 1024/8 shared 202.4 and 203.4 us.
 #
 # sm_75 (T4) and sm_89 (L4), reasoned from their specs, not measured: both need far fewer bytes
 # in flight than the H100. At 320 GB/s (T4) or 300 GB/s (L4) and about 1 us of DRAM latency,
@@ -232,28 +245,40 @@ def _dequantize_4bit_kernel(
 # A 1024-byte program moves 1 KB in and 4 KB out (fp16); the T4 holds 8 such programs per SM
 # (1024 threads), the L4 12 (1536 threads), 40 to 60 KB per SM, so the H100's small-weight
 # configuration already saturates them, and 8 bytes per thread keeps the 16-byte stores the
-# sweep favoured. The notebooks sweep on the GPU they run on and install the winner with
-# set_launch_config().
+# sweep favoured. The shared-memory lookup is not used there: its gain on the H100 comes from
+# residency limits that were measured on the H100 only. The notebooks sweep on the GPU they run on
+# and install the winner with set_launch_config().
 LAUNCH_CONFIGS = {
-    (9, 0): ((0, 1024, 4), (4 << 20, 2048, 4)),
-    (8, 9): ((0, 1024, 4),),
-    (7, 5): ((0, 1024, 4),),
+    (9, 0): (
+        (0, 1024, 4, False),
+        (9 << 18, 2048, 4, False),  # the fallback of the next tier
+        (9 << 18, 2048, 4, True),
+        (17 << 18, 2048, 2, True),
+        (17 << 20, 2048, 4, False),
+        (48 << 20, 512, 4, True),
+    ),
+    (8, 9): ((0, 1024, 4, False),),
+    (7, 5): ((0, 1024, 4, False),),
 }
-DEFAULT_LAUNCH_CONFIG = ((0, 1024, 4),)
+DEFAULT_LAUNCH_CONFIG = ((0, 1024, 4, False),)
+# Triton 3.3.1's compiler aborts on the shared-memory gathers (an assertion in
+# OptimizeThreadLocality); 3.6 and 3.9 compile them, 3.4 and 3.5 were not tried.
+TRITON_COMPILES_SHARED_TABLES = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6)
 _launch_override = None
 
 
 def launch_config(capability, n_bytes=0):
-    """(bytes per program, warps) for a packed weight of ``n_bytes`` on a GPU of ``capability``:
-    set_launch_config's choice, else the table's tier for that size."""
+    """(bytes per program, warps, codebooks in shared memory) for a packed weight of ``n_bytes`` on
+    a GPU of ``capability``: set_launch_config's choice, else the table's tier for that size."""
     if _launch_override is not None:
         return _launch_override
     tiers = LAUNCH_CONFIGS.get(tuple(capability), DEFAULT_LAUNCH_CONFIG)
-    return next((per_program, warps) for smallest, per_program, warps in reversed(tiers) if n_bytes >= smallest)
+    return next((per_program, warps, shared) for smallest, per_program, warps, shared in reversed(tiers)
+                if n_bytes >= smallest and (TRITON_COMPILES_SHARED_TABLES or not shared))
 
 
-def set_launch_config(bytes_per_program=None, num_warps=None):
-    """Use this configuration for every later call (None, None: back to the table)."""
+def set_launch_config(bytes_per_program=None, num_warps=None, shared_tables=False):
+    """Use this configuration for every later call (no arguments: back to the table)."""
     global _launch_override
     if bytes_per_program is None and num_warps is None:
         _launch_override = None
@@ -262,7 +287,11 @@ def set_launch_config(bytes_per_program=None, num_warps=None):
                  f"set_launch_config: bytes_per_program must be a power of two >= 16, got {bytes_per_program}")
         _require(num_warps in (1, 2, 4, 8, 16, 32),
                  f"set_launch_config: num_warps must be a power of two from 1 to 32, got {num_warps}")
-        _launch_override = (bytes_per_program, num_warps)
+        _require(isinstance(shared_tables, bool), f"set_launch_config: shared_tables must be a bool, got {shared_tables!r}")
+        _require(TRITON_COMPILES_SHARED_TABLES or not shared_tables,
+                 f"set_launch_config: Triton {triton.__version__} cannot compile the shared-memory codebook lookup "
+                 "(3.6 or later can)")
+        _launch_override = (bytes_per_program, num_warps, shared_tables)
     _PLANS.clear()  # plans hold kernels compiled for the old configuration
 
 
@@ -274,20 +303,6 @@ def set_launch_config(bytes_per_program=None, num_warps=None):
 # the L2 is a guess for the T4 (4 MB) and the L4 (48 MB).
 STREAM_STORES_L2_MULTIPLE = 4
 
-# Compute capability -> the packed weight sizes [from, to) whose codebooks are looked up in shared
-# memory. ptxas then gives the 2048/4 program 32 registers instead of 40 (sm_90), so 16 programs
-# fit on an H100 SM instead of 12 and a grid of a few waves loses less to its last one. H100, GPU
-# time per call, 6 paired rounds (NOTES.md, item 41), shared vs global: 7.58 vs 8.84 us at
-# 4096x2048 fp16 (4 MiB packed), 15.21 vs 15.95 us at 8192x2048 fp16, 15.19 vs 16.02 us at
-# 2048x8192 bf16; level at 4096x6144 (12 MiB: 23.02 vs 22.98 us); slower from 16 MiB on (30.59 vs
-# 30.02 us at 8192x4096, 52.32 vs 51.66 us at 14336x4096), where the extra shared-memory round
-# trip costs more than the last wave. Not measured on other GPUs, so not used there.
-SHARED_TABLE_SIZES = {(9, 0): (4 << 20, 12 << 20)}
-# Triton 3.3.1's compiler aborts on these gathers (an assertion in OptimizeThreadLocality); 3.6 and
-# 3.9 compile them, 3.4 and 3.5 were not tried. Older Tritons keep the global-memory lookup.
-TRITON_COMPILES_SHARED_TABLES = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6)
-
-
 def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256, n_elements=0, word_aligned=True,
                    use_asm=None, bf16_via_int=None, capability=None, l2_bytes=None, bytes_per_program=None,
                    eviction_hints=True, shared_tables=None):
@@ -298,15 +313,15 @@ def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256
         device_capability, device_l2_bytes = _device_facts()
         capability = device_capability if capability is None else capability
         l2_bytes = device_l2_bytes if l2_bytes is None else l2_bytes
+    tier_bytes_per_program, _, tier_shared_tables = launch_config(capability, (n_elements + 1) // 2)
     if bytes_per_program is None:
-        bytes_per_program = launch_config(capability, (n_elements + 1) // 2)[0]
+        bytes_per_program = tier_bytes_per_program
+    if shared_tables is None:
+        shared_tables = tier_shared_tables
     if use_asm is None:
         use_asm = not INTERPRET and _is_nvidia()
     if bf16_via_int is None:
         bf16_via_int = INTERPRET or capability < (8, 0)
-    if shared_tables is None:
-        smallest, largest = SHARED_TABLE_SIZES.get(tuple(capability), (0, 0))
-        shared_tables = TRITON_COMPILES_SHARED_TABLES and smallest <= (n_elements + 1) // 2 < largest
     return dict(
         BLOCKSIZE=blocksize,
         BLOCKSIZE2=blocksize2 if nested else 1,
@@ -509,12 +524,13 @@ def _launch_setup(packed, dtype, n_elements, blocksize, blocksize2, nested, fp4,
     overrides = dict(overrides)
     capability, l2_bytes = _device_facts(packed.device)
     n_bytes = (n_elements + 1) // 2
-    bytes_per_program, num_warps = launch_config(capability, n_bytes)
+    bytes_per_program, num_warps, shared_tables = launch_config(capability, n_bytes)
     num_warps = overrides.pop("num_warps", num_warps)
     variant = kernel_variant(dtype, nested=nested, fp4=fp4, blocksize=blocksize, blocksize2=blocksize2,
                              n_elements=n_elements, word_aligned=_word_aligned(packed), capability=capability,
                              l2_bytes=l2_bytes,
-                             bytes_per_program=overrides.pop("BYTES_PER_PROGRAM", bytes_per_program))
+                             bytes_per_program=overrides.pop("BYTES_PER_PROGRAM", bytes_per_program),
+                             shared_tables=overrides.pop("SHARED_TABLES", shared_tables))
     variant.update(overrides)
     return variant, num_warps, n_bytes, (triton.cdiv(n_bytes, variant["BYTES_PER_PROGRAM"]),)
 

@@ -151,8 +151,17 @@ def test_cuda_out_for_cpu_weight_and_next_call_exact(weight):
 
 @pytest.mark.parametrize("config, message", [((96, 4), "bytes_per_program must be a power of two"),
                                              ((1024, 3), "num_warps must be a power of two"),
-                                             ((8, 4), "bytes_per_program must be a power of two >= 16")])
+                                             ((8, 4), "bytes_per_program must be a power of two >= 16"),
+                                             ((1024, 4, 1), "shared_tables must be a bool")])
 def test_bad_launch_config(config, message):
     with pytest.raises(ValueError, match=message):
         kernel.set_launch_config(*config)
+    assert kernel._launch_override is None
+
+
+def test_shared_tables_refused_where_triton_cannot_compile_them():
+    if kernel.TRITON_COMPILES_SHARED_TABLES:
+        pytest.skip("this Triton compiles the shared-memory lookup")
+    with pytest.raises(ValueError, match="cannot compile the shared-memory codebook lookup"):
+        kernel.set_launch_config(1024, 4, True)
     assert kernel._launch_override is None

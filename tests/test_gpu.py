@@ -41,8 +41,8 @@ def test_every_variant(shape, dtype, nested, quant_type, use_asm, bf16_via_int, 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(3, 100), (17, 129), (1024, 4096 + 64)], ids=str)
 def test_every_variant_with_shared_tables(shape, dtype, nested, quant_type, byte_loads):
-    """The codebooks looked up in shared memory (the H100's choice for 4 to 12 MiB of packed weight)
-    give bitsandbytes' bits on every shape, dtype, format and load width."""
+    """The codebooks looked up in shared memory (the H100's choice from 2.25 to 17 MiB and from 48 MiB
+    of packed weight) give bitsandbytes' bits on every shape, dtype, format and load width."""
     if not kernel.TRITON_COMPILES_SHARED_TABLES:
         pytest.skip("this Triton cannot compile the shared-memory lookup")
     packed, state = quantize(shape, dtype=dtype, nested=nested, quant_type=quant_type, device="cuda",
@@ -52,13 +52,30 @@ def test_every_variant_with_shared_tables(shape, dtype, nested, quant_type, byte
     assert_bit_exact(got, bnb_dequantize(packed, state))
 
 
-def test_shared_tables_tier_on_the_gpu():
-    """A weight inside the H100's shared-table range takes that path (through its plan too) and
-    stays bit-exact."""
-    if torch.cuda.get_device_capability() != (9, 0) or not kernel.TRITON_COMPILES_SHARED_TABLES:
-        pytest.skip("the shared-table range is set for sm_90 and Triton >= 3.6 only")
-    packed, state = quantize((4096, 2048), dtype=torch.bfloat16, device="cuda", seed=16)
-    assert kernel.kernel_variant(torch.bfloat16, nested=True, n_elements=4096 * 2048)["SHARED_TABLES"]
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(17, 129), (1024, 4096 + 64)], ids=str)
+@pytest.mark.parametrize("tile", [(2048, 2), (512, 4)], ids=lambda tile: f"{tile[0]}-{tile[1]}")
+def test_tier_tiles_with_shared_tables(tile, shape, dtype, nested, quant_type):
+    """The H100's shared-codebook tiles (2048 bytes over 2 warps, 512 over 4) on odd and even shapes."""
+    if not kernel.TRITON_COMPILES_SHARED_TABLES:
+        pytest.skip("this Triton cannot compile the shared-memory lookup")
+    packed, state = quantize(shape, dtype=dtype, nested=nested, quant_type=quant_type, device="cuda", seed=tile[0])
+    got = kernel._dequantize(packed, state, None, SHARED_TABLES=True, BYTES_PER_PROGRAM=tile[0], num_warps=tile[1])
+    assert_bit_exact(got, bnb_dequantize(packed, state))
+
+
+@pytest.mark.parametrize("smallest", sorted({tier[0] for tier in kernel.LAUNCH_CONFIGS[(9, 0)]} - {0}))
+def test_every_tier_on_the_gpu(smallest):
+    """A weight at the smallest size of each H100 tier takes that tier's configuration (through its
+    plan too) and stays bit-exact."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tiers are measured for sm_90")
+    bytes_per_program, _, shared = kernel.launch_config((9, 0), smallest)
+    packed, state = quantize((2 * smallest // 4096, 4096), dtype=torch.bfloat16, device="cuda", seed=smallest % 997)
+    variant = kernel.kernel_variant(torch.bfloat16, nested=True, n_elements=2 * smallest)
+    assert (variant["BYTES_PER_PROGRAM"], variant["SHARED_TABLES"]) == (bytes_per_program, shared)
     expected = bnb_dequantize(packed, state)
     for _ in range(2):  # the validating call, then the plan
         assert_bit_exact(kernel.dequantize_nf4(packed, state), expected)

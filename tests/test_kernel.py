@@ -89,14 +89,15 @@ def test_shared_tables_forced(word_loads, nested, quant_type, device):
 
 
 def test_shared_tables_by_weight_size():
-    """The shared-memory lookup is chosen by packed size where a GPU's table has a range, else never."""
-    smallest, largest = kernel.SHARED_TABLE_SIZES[(9, 0)]
+    """The shared-memory lookup follows the H100's size tiers (never where Triton cannot compile it,
+    nor on GPUs whose table has no such tier)."""
     variant = lambda n_bytes, capability: kernel.kernel_variant(torch.float16, nested=True, n_elements=2 * n_bytes,
                                                                 capability=capability, l2_bytes=50 << 20)
-    inside = kernel.TRITON_COMPILES_SHARED_TABLES  # never where Triton cannot compile it
-    assert [variant(n, (9, 0))["SHARED_TABLES"] for n in (smallest - 1, smallest, largest - 1, largest)] == [
-        False, inside, inside, False]
-    assert not variant(smallest, (8, 9))["SHARED_TABLES"] and not variant(smallest, (7, 5))["SHARED_TABLES"]
+    for smallest, _, _, shared in kernel.LAUNCH_CONFIGS[(9, 0)]:
+        if shared:
+            assert variant(smallest, (9, 0))["SHARED_TABLES"] == kernel.TRITON_COMPILES_SHARED_TABLES
+    assert not variant(1 << 20, (9, 0))["SHARED_TABLES"]
+    assert not any(variant(n, cc)["SHARED_TABLES"] for n in (1 << 20, 8 << 20, 1 << 30) for cc in ((8, 9), (7, 5)))
 
 
 @pytest.mark.parametrize("storage", [torch.uint8, torch.float16, torch.bfloat16, torch.float32], ids=str)
@@ -192,21 +193,36 @@ def test_subnormal_scales(dtype, nested, quant_type, device):
         assert not bit_exact(KNOWN_BAD_SUBNORMAL(packed, state), expected)
 
 
-@pytest.mark.parametrize("config", [(64, 1), (512, 2), (4096, 8)])
+@pytest.mark.parametrize("config", [(64, 1, False), (512, 2, False), (4096, 8, False), (1024, 4, True)])
 def test_launch_config_override(config, device):
+    if config[2] and not kernel.TRITON_COMPILES_SHARED_TABLES:
+        pytest.skip(f"Triton {triton.__version__} cannot compile the shared-memory lookup")
     packed, state = quantize((33, 257), dtype=torch.bfloat16, device=device, seed=11)
     try:
         kernel.set_launch_config(*config)
-        assert kernel.launch_config((9, 0)) == config
+        assert kernel.launch_config((9, 0), 1 << 30) == config
         check(packed, state)
     finally:
         kernel.set_launch_config()
-    assert kernel.launch_config((9, 0)) == (1024, 4)
+    assert kernel.launch_config((9, 0)) == (1024, 4, False)
 
 
 def test_launch_config_tiers():
-    """The H100's tier changes at 4 MiB of packed weight; unknown GPUs take the default."""
-    assert kernel.launch_config((9, 0), (4 << 20) - 1) == (1024, 4)
-    assert kernel.launch_config((9, 0), 4 << 20) == (2048, 4)
-    assert kernel.launch_config((8, 9), 1 << 30) == (1024, 4)
-    assert kernel.launch_config((12, 0), 1 << 30) == (1024, 4)
+    """The H100's tiers by packed size (a shared-memory tier falls back to the one before it where
+    Triton cannot compile the lookup); other GPUs take their one configuration."""
+    shared = kernel.TRITON_COMPILES_SHARED_TABLES
+    mib = 1 << 20
+    expected = {
+        2 * mib: (1024, 4, False),
+        9 * mib // 4: (2048, 4, shared),
+        17 * mib // 4 - 1: (2048, 4, shared),
+        17 * mib // 4: (2048, 2, True) if shared else (2048, 4, False),
+        17 * mib - 1: (2048, 2, True) if shared else (2048, 4, False),
+        17 * mib: (2048, 4, False),
+        48 * mib - 1: (2048, 4, False),
+        48 * mib: (512, 4, True) if shared else (2048, 4, False),
+    }
+    assert {n: kernel.launch_config((9, 0), n) for n in expected} == expected
+    assert kernel.launch_config((9, 0), 9 * mib // 4 - 1) == (1024, 4, False)
+    assert kernel.launch_config((8, 9), 1 << 30) == (1024, 4, False)
+    assert kernel.launch_config((12, 0), 1 << 30) == (1024, 4, False)
