@@ -112,8 +112,8 @@ def expand_floor(packed, state):
     tile, warps and store hint ``kernel.py`` picks for it."""
     out = torch.empty(tuple(state.shape), dtype=state.dtype, device=packed.device)
     n_bytes = out.numel() // 2
-    variant = kernel.kernel_variant(state.dtype, nested=True, blocksize=state.blocksize, n_elements=out.numel())
-    num_warps = kernel.launch_config(kernel._device_facts(packed.device)[0], n_bytes)[1]
+    variant, num_warps, _, _ = kernel._launch_setup(packed, state.dtype, out.numel(), state.blocksize,
+                                                    state.state2.blocksize, True, False, {})
     per_program = max(variant["BYTES_PER_PROGRAM"], state.blocksize // 2)
     _expand_floor_kernel[(triton.cdiv(n_bytes, per_program),)](
         packed, state.absmax, out, n_bytes, state.blocksize // 2, per_program,
