@@ -315,11 +315,10 @@ def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256
         device_capability, device_l2_bytes = _device_facts()
         capability = device_capability if capability is None else capability
         l2_bytes = device_l2_bytes if l2_bytes is None else l2_bytes
-    tier_bytes_per_program, _, tier_shared_tables = launch_config(capability, (n_elements + 1) // 2)
-    if bytes_per_program is None:
-        bytes_per_program = tier_bytes_per_program
-    if shared_tables is None:
-        shared_tables = tier_shared_tables
+    if bytes_per_program is None or shared_tables is None:
+        tier_bytes_per_program, _, tier_shared_tables = launch_config(capability, (n_elements + 1) // 2)
+        bytes_per_program = tier_bytes_per_program if bytes_per_program is None else bytes_per_program
+        shared_tables = tier_shared_tables if shared_tables is None else shared_tables
     if use_asm is None:
         use_asm = not INTERPRET and _is_nvidia()
     if bf16_via_int is None:
