@@ -305,6 +305,7 @@ def set_launch_config(bytes_per_program=None, num_warps=None, shared_tables=Fals
 # the L2 is a guess for the T4 (4 MB) and the L4 (48 MB).
 STREAM_STORES_L2_MULTIPLE = 4
 
+
 def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256, n_elements=0, word_aligned=True,
                    use_asm=None, bf16_via_int=None, capability=None, l2_bytes=None, bytes_per_program=None,
                    eviction_hints=True, shared_tables=None):
