@@ -11,8 +11,9 @@ around the kernel, which ``do_bench``'s CUDA events include. Bandwidth counts n/
 absmax + the output bytes, against the device-to-device copy measured in the same run. Two
 measuring instruments run beside the contenders: ``floor (no decode)``, a kernel that reads the
 packed bytes and writes the output with no decoding, and ``copy (same bytes)``, a device-to-device
-copy of as many bytes as the weight's dequantization moves. The harness carries a third: an fx that only allocates and launches an
-empty kernel.
+copy of as many bytes as the weight's dequantization moves. The harness carries a third: an fx
+that only allocates and launches an empty kernel; the compile section compiles the floor kernel over
+our six input tensors, a graph with no validation and no decode.
 Without a GPU it says so and runs a small correctness demo through the interpreter.
 """
 
@@ -20,6 +21,7 @@ import argparse
 import copy
 import csv
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -86,6 +88,10 @@ def params4bit_module(packed, state):
 def _expand_floor_kernel(
     packed_ptr,  # uint8 [n_bytes]
     absmax_ptr,  # uint8 [n_bytes / BYTES_PER_ABSMAX]
+    code_ptr,  # unused, like the three below: the launch carries our kernel's pointer arguments
+    absmax2_ptr,
+    code2_ptr,
+    offset_ptr,
     out_ptr,  # fp16/bf16/fp32 [2 * n_bytes]
     n_bytes,  # packed bytes
     BYTES_PER_ABSMAX: tl.constexpr,  # packed bytes per absmax byte (blocksize / 2)
@@ -107,18 +113,34 @@ def _expand_floor_kernel(
              eviction_policy=OUT_HINT)
 
 
-def expand_floor(packed, state):
-    """The floor kernel on a weight: the bytes ours reads and writes (absmax included), with the
-    tile, warps and store hint ``kernel.py`` picks for it."""
-    out = torch.empty(tuple(state.shape), dtype=state.dtype, device=packed.device)
-    n_bytes = out.numel() // 2
-    variant, num_warps, _, _ = kernel._launch_setup(packed, state.dtype, out.numel(), state.blocksize,
+def _floor_launch(packed, state):
+    """(packed bytes per program, warps, output eviction hint): the tile, warps and store hint
+    ``kernel.py`` picks for this weight."""
+    variant, num_warps, _, _ = kernel._launch_setup(packed, state.dtype, math.prod(state.shape), state.blocksize,
                                                     state.state2.blocksize, True, False, {})
     per_program = max(variant["BYTES_PER_PROGRAM"], state.blocksize // 2)
+    return per_program, num_warps, "evict_first" if variant["STREAM_STORES"] else ""
+
+
+def expand_floor(packed, state, launch=None):
+    """The floor kernel on a weight: the bytes ours reads and writes (absmax included), passed all
+    of our kernel's pointer arguments. ``launch``: ``_floor_launch``'s result, if already known."""
+    out = torch.empty(tuple(state.shape), dtype=state.dtype, device=packed.device)
+    n_bytes = out.numel() // 2
+    per_program, num_warps, out_hint = _floor_launch(packed, state) if launch is None else launch
     _expand_floor_kernel[(triton.cdiv(n_bytes, per_program),)](
-        packed, state.absmax, out, n_bytes, state.blocksize // 2, per_program,
-        "evict_first" if variant["STREAM_STORES"] else "", num_warps=num_warps)
+        packed, state.absmax, state.code, state.state2.absmax, state.state2.code, state.offset, out, n_bytes,
+        state.blocksize // 2, per_program, out_hint, num_warps=num_warps)
     return out
+
+
+def compiled_floor(packed, state):
+    """The floor kernel compiled whole in the default mode, the launch configuration worked out
+    beforehand: a graph with our six input tensors, our kernel's pointer arguments and our bytes,
+    but no validation and no decode."""
+    launch = _floor_launch(packed, state)
+    compiled = torch.compile(lambda weight: expand_floor(weight, state, launch), fullgraph=True)
+    return lambda: compiled(packed)
 
 
 def same_bytes_copy(packed, state):
@@ -465,7 +487,9 @@ def compile_references(packed, state, fused):
     graph's, whoever's kernel is inside."""
     x = torch.zeros(tuple(state.shape), dtype=state.dtype, device=packed.device)
     twice = torch.compile(lambda tensor: tensor * 2, fullgraph=True)
-    references = {"x*2 eager": lambda: x * 2, "x*2 compiled-default": lambda: twice(x)}
+    references = {"x*2 eager": lambda: x * 2, "x*2 compiled-default": lambda: twice(x),
+                  "floor (no decode) eager": lambda: expand_floor(packed, state),
+                  "floor (no decode) compiled-default": compiled_floor(packed, state)}
     if fused is not None:
         compiled_fused = torch.compile(lambda weight: fused(weight, state), fullgraph=True)
         references["unsloth-fused eager"] = lambda: fused(packed, state)
@@ -477,7 +501,8 @@ def bench_compile(shapes, dtypes, rounds, rooflines, meta, log):
     """Eager (launch plan) against torch.compile, all callables interleaved in each round:
     do_bench medians over the rounds (host cost included when it exceeds the L2 flush, so single
     samples of the default mode at 4096x1024 fp16 ranged from 7.4 to 45.4 us in one run, NOTES.md
-    item 23), and the profiler's time of our kernel inside each mode."""
+    item 23), each callable's host time per call in the same rounds, and the profiler's time of
+    our kernel inside each mode."""
     rows = []
     fused = unsloth_fast_dequantize(log)
     for dtype_name, shape, packed, state in weights(shapes, dtypes):
@@ -491,9 +516,11 @@ def bench_compile(shapes, dtypes, rounds, rooflines, meta, log):
         for fn in references.values():
             fn()
         samples = {name: [] for name in (*modes, *references)}
+        host_samples = {name: [] for name in samples}
         for _ in range(rounds):
             for name, fn in (*modes.items(), *references.items()):
                 samples[name].append(do_bench(fn)[0])
+                host_samples[name].append(host_time_per_call(fn))
         first = len(rows)
         kernel_ms = gpu_times(modes, only="_dequantize_4bit_kernel")
         for name in modes:
@@ -504,11 +531,28 @@ def bench_compile(shapes, dtypes, rounds, rooflines, meta, log):
         for name in references:
             rows.append(timing_row(meta, "compile-reference", shape, dtype_name, name, summarize(samples[name]),
                                    rooflines["do_bench"]))
+        for name, times in host_samples.items():
+            median, p20, p80 = summarize(times)
+            rows.append(dict(meta, kind="compile-host", shape=f"{shape[0]}x{shape[1]}", dtype=dtype_name,
+                             implementation=name, median_us=median * 1e6, p20_us=p20 * 1e6, p80_us=p80 * 1e6,
+                             gbps=0.0, pct_roofline=0.0, extra_peak_bytes=0))
+        tags = {"compile-kernel": " (kernel)", "compile-host": " (host)"}
         log(f"compile {dtype_name} {shape}: " + ", ".join(
-            f"{r['implementation']} {r['median_us']:.1f} us" + (
-                " (kernel)" if r["kind"] == "compile-kernel" else f" [{r['p20_us']:.1f}..{r['p80_us']:.1f}]")
+            f"{r['implementation']} {r['median_us']:.1f} us" + tags.get(r["kind"], f" [{r['p20_us']:.1f}..{r['p80_us']:.1f}]")
             for r in rows[first:]))
     return rows
+
+
+def host_time_per_call(fn, calls=300):
+    """Host seconds per call of ``fn``, its calls issued back to back without waiting for the GPU:
+    once this exceeds what do_bench's L2 flush keeps the GPU busy for, do_bench times the host."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls
 
 
 # Bytes per program x warps with everything on, with the codebooks in global memory and (from
@@ -691,7 +735,8 @@ def write_results(rows, folder):
     os.makedirs(folder, exist_ok=True)
     for name, kinds in (("bench.csv", ("roofline", "kernel", "kernel-gpu", "harness")),
                         ("sweep.csv", ("roofline", "sweep", "sweep-gpu")),
-                        ("compile.csv", ("roofline", "compile", "compile-kernel", "compile-reference"))):
+                        ("compile.csv", ("roofline", "compile", "compile-kernel", "compile-reference",
+                                         "compile-host"))):
         selected = [row for row in rows if row["kind"] in kinds]
         if any(row["kind"] != "roofline" for row in selected):
             with open(os.path.join(folder, name), "w", newline="") as handle:

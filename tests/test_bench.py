@@ -65,3 +65,18 @@ def test_floor_kernel_reads_the_packed_bytes_and_the_absmax(shape):
     summed = (packed.view(-1).to(torch.int32) + state.absmax.repeat_interleave(32).to(torch.int32)) & 0xFF
     expected = torch.stack((summed >> 4, summed & 0xF), dim=1).reshape(shape).to(torch.float16)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the compiled floor runs on the GPU")
+def test_compiled_floor_matches_the_floor_kernel():
+    """The compile section's floor: the same kernel inside a compiled graph, no graph break."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    sys.path.insert(0, ROOT)
+    import bench
+
+    packed, state = bench.make_weight((256, 192), torch.bfloat16)
+    counters.clear()
+    assert torch.equal(bench.compiled_floor(packed, state)(), bench.expand_floor(packed, state))
+    assert not counters["graph_break"]
