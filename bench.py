@@ -209,6 +209,14 @@ def timing_row(meta, kind, shape, dtype_name, implementation, times_ms, roofline
                 pct_roofline=100 * gbps / roofline, extra_peak_bytes=extra_peak_bytes)
 
 
+def seconds_row(meta, kind, shape, dtype_name, implementation, seconds):
+    """One tidy CSV row from samples of wall or host seconds (no bandwidth: not kernel times)."""
+    median, p20, p80 = summarize(seconds)
+    return dict(meta, kind=kind, shape=shape, dtype=dtype_name, implementation=implementation,
+                median_us=median * 1e6, p20_us=p20 * 1e6, p80_us=p80 * 1e6, gbps=0.0, pct_roofline=0.0,
+                extra_peak_bytes=0)
+
+
 def extra_peak_bytes(fn):
     """Peak allocation of one call beyond what it returns (warm: plans made, kernels compiled)."""
     fn()
@@ -385,12 +393,7 @@ def bench_harness(rounds, meta, log):
         for name in list(funcs) if round_index % 2 == 0 else reversed(funcs):  # no contender always first
             samples[name].append(harness_seconds(funcs[name], options_layers))
         log(f"harness round {round_index + 1}: " + ", ".join(f"{n} {s[-1]:.3f} s" for n, s in samples.items()))
-    rows = []
-    for name, times in samples.items():
-        median, p20, p80 = summarize(times)
-        rows.append(dict(meta, kind="harness", shape="3 options", dtype="fp16+bf16", implementation=name,
-                         median_us=median * 1e6, p20_us=p20 * 1e6, p80_us=p80 * 1e6, gbps=0.0, pct_roofline=0.0,
-                         extra_peak_bytes=0))
+    rows = [seconds_row(meta, "harness", "3 options", "fp16+bf16", name, times) for name, times in samples.items()]
     ours = statistics.median(samples["nf4-triton"])
     log(f"harness: ours {ours:.3f} s, {HARNESS_FLOOR} {statistics.median(samples[HARNESS_FLOOR]):.3f} s")
     for name, times in samples.items():
@@ -531,15 +534,12 @@ def bench_compile(shapes, dtypes, rounds, rooflines, meta, log):
         for name in references:
             rows.append(timing_row(meta, "compile-reference", shape, dtype_name, name, summarize(samples[name]),
                                    rooflines["do_bench"]))
-        for name, times in host_samples.items():
-            median, p20, p80 = summarize(times)
-            rows.append(dict(meta, kind="compile-host", shape=f"{shape[0]}x{shape[1]}", dtype=dtype_name,
-                             implementation=name, median_us=median * 1e6, p20_us=p20 * 1e6, p80_us=p80 * 1e6,
-                             gbps=0.0, pct_roofline=0.0, extra_peak_bytes=0))
+        rows += [seconds_row(meta, "compile-host", f"{shape[0]}x{shape[1]}", dtype_name, name, times)
+                 for name, times in host_samples.items()]
         tags = {"compile-kernel": " (kernel)", "compile-host": " (host)"}
         log(f"compile {dtype_name} {shape}: " + ", ".join(
-            f"{r['implementation']} {r['median_us']:.1f} us" + tags.get(r["kind"], f" [{r['p20_us']:.1f}..{r['p80_us']:.1f}]")
-            for r in rows[first:]))
+            f"{r['implementation']} {r['median_us']:.1f} us"
+            + tags.get(r["kind"], f" [{r['p20_us']:.1f}..{r['p80_us']:.1f}]") for r in rows[first:]))
     return rows
 
 
