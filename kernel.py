@@ -24,7 +24,12 @@ Without CUDA (CI, laptops) the same kernel runs on CPU tensors through Triton's 
 """
 
 import contextlib
+import ctypes
+import numbers
+import operator
 import os
+import struct
+import threading
 import weakref
 
 import torch
@@ -377,17 +382,46 @@ def _require(condition, message):
         raise ValueError(message)
 
 
-def _resolve(weight, quant_state):
-    """Accept a Linear4bit module, its Params4bit, or a packed tensor with its QuantState."""
-    module_weight = getattr(weight, "weight", None)
-    if not isinstance(weight, torch.Tensor) and isinstance(module_weight, torch.Tensor):
-        weight = module_weight
+def _as_int(value, name):
+    """An integer-like value (int, numpy integer, 0-dim integer tensor) as an int."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"dequantize_nf4: {name} must be an integer, got {value!r}") from None
+
+
+def _dense(tensor):
+    """Whether a tensor has strided storage. Inside torch.compile every tensor is (and a
+    backward traced there may not read `layout`)."""
+    return torch.compiler.is_compiling() or tensor.layout == torch.strided
+
+
+def _weight_and_state(weight, quant_state):
+    """(weight tensor, quant state) from a Linear4bit module, its Params4bit, or a packed tensor
+    and its QuantState. Never raises: what does not fit comes back as it is, for the validating
+    path to name."""
+    if not isinstance(weight, torch.Tensor):
+        # A module's registered parameter straight from its dict: nn.Module's __getattr__ is a
+        # Python call on every access.
+        parameters = getattr(weight, "_parameters", None)
+        module_weight = parameters.get("weight") if isinstance(parameters, dict) else None
+        if module_weight is None:
+            module_weight = getattr(weight, "weight", None)
+        if isinstance(module_weight, torch.Tensor):
+            weight = module_weight
     if quant_state is None:
         quant_state = getattr(weight, "quant_state", None)
-        if quant_state is None:
-            raise ValueError("dequantize_nf4: no quant_state given and the weight carries none")
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"dequantize_nf4: weight must be a tensor, Params4bit or Linear4bit, got {type(weight).__name__}")
+    return weight, quant_state
+
+
+def _resolve(weight, quant_state):
+    """``_weight_and_state`` with a parameter's plain tensor (``.data``) as the packed weight."""
+    weight, quant_state = _weight_and_state(weight, quant_state)
+    if isinstance(weight, torch.nn.Parameter):
+        # Params4bit defines a Python __torch_function__: a plain `.data` costs 3.3 to 4.8 us on
+        # the H100 host, 1.0 us with subclass torch functions disabled (NOTES.md, item 21).
+        with torch._C.DisableTorchFunctionSubclass():
+            weight = weight.data
     return weight, quant_state
 
 
@@ -397,21 +431,28 @@ def _check_state(packed, qs):
         _require(hasattr(qs, field), f"dequantize_nf4: quant_state has no '{field}' (not a bitsandbytes 4-bit QuantState?)")
     _require(qs.quant_type in ("nf4", "fp4"), f"dequantize_nf4: quant_type must be 'nf4' or 'fp4', got {qs.quant_type!r}")
     _require(qs.dtype in OUTPUT_DTYPES, f"dequantize_nf4: output dtype must be float16, bfloat16 or float32, got {qs.dtype}")
-    _require(_is_power_of_two(qs.blocksize) and qs.blocksize >= 2,
-             f"dequantize_nf4: blocksize must be a power of two >= 2, got {qs.blocksize}")
+    blocksize = _as_int(qs.blocksize, "blocksize")
+    _require(_is_power_of_two(blocksize) and blocksize >= 2,
+             f"dequantize_nf4: blocksize must be a power of two >= 2, got {blocksize}")
     _require(packed.is_contiguous(), "dequantize_nf4: packed weight must be contiguous (call .contiguous() first)")
+    if not isinstance(qs.shape, (tuple, list, torch.Size)):
+        raise ValueError(f"dequantize_nf4: quant_state shape must be a tuple of sizes, got {qs.shape!r}")
+    # int(): inside torch.compile a graph specializes on the weight's shape (one graph per shape).
+    shape = torch.Size([int(_as_int(dim, "every shape entry")) for dim in qs.shape])
+    if not all(dim >= 0 for dim in shape):
+        raise ValueError(f"dequantize_nf4: shape entries must be >= 0, got {tuple(shape)}")
 
     device = packed.device
-    n_elements = 1
-    for dim in qs.shape:
-        n_elements *= int(dim)
-    n_blocks = -(-n_elements // qs.blocksize)
+    n_elements = shape.numel()
+    n_blocks = -(-n_elements // blocksize)
     n_bytes = packed.numel() * packed.element_size()
     _require(n_bytes >= (n_elements + 1) // 2,
-             f"dequantize_nf4: packed weight has {n_bytes} bytes, shape {tuple(qs.shape)} needs {(n_elements + 1) // 2}")
+             f"dequantize_nf4: packed weight has {n_bytes} bytes, shape {tuple(shape)} needs {(n_elements + 1) // 2}")
 
     def tensor(name, value, dtype, min_numel):
         _require(isinstance(value, torch.Tensor), f"dequantize_nf4: {name} must be a tensor")
+        if not _dense(value):
+            raise ValueError(f"dequantize_nf4: {name} must be a dense tensor, got {value.layout}")
         _require(value.device == device,
                  f"dequantize_nf4: {name} is on {value.device} but the packed weight is on {device}")
         _require(value.dtype == dtype, f"dequantize_nf4: {name} must be {dtype}, got {value.dtype}")
@@ -426,25 +467,44 @@ def _check_state(packed, qs):
         state2 = getattr(qs, "state2", None)
         _require(state2 is not None and hasattr(state2, "absmax") and hasattr(state2, "code"),
                  "dequantize_nf4: nested quant_state has no state2 with absmax and code")
-        _require(_is_power_of_two(state2.blocksize),
-                 f"dequantize_nf4: state2 blocksize must be a power of two, got {state2.blocksize}")
+        blocksize2 = _as_int(state2.blocksize, "state2 blocksize")
+        _require(_is_power_of_two(blocksize2), f"dequantize_nf4: state2 blocksize must be a power of two, got {blocksize2}")
         absmax = tensor("absmax", qs.absmax, torch.uint8, n_blocks)
-        absmax2 = tensor("state2.absmax", state2.absmax, torch.float32, -(-n_blocks // state2.blocksize))
+        absmax2 = tensor("state2.absmax", state2.absmax, torch.float32, -(-n_blocks // blocksize2))
         code2 = tensor("state2.code", state2.code, torch.float32, 256)
         offset = qs.offset
         if not isinstance(offset, torch.Tensor):
-            _require(offset is not None, "dequantize_nf4: nested quant_state has no offset")
-            offset = torch.tensor([float(offset)], dtype=torch.float32, device=device)
+            _require(isinstance(offset, numbers.Real) and not isinstance(offset, bool),
+                     f"dequantize_nf4: offset must be a float or a one-element tensor, got {offset!r}")
+            offset = _offset_tensor(float(offset), device)
         # Kept as it is (one element, usually 0-dim): a reshape here would be one more view per
         # call inside a compiled graph.
         offset = tensor("offset", offset, torch.float32, 1)
         _require(offset.numel() == 1, f"dequantize_nf4: offset must hold one value, got {offset.numel()}")
-        blocksize2 = state2.blocksize
     else:
         absmax = tensor("absmax", qs.absmax, torch.float32, n_blocks)
         absmax2 = code2 = offset = absmax  # unused by the kernel when NESTED is False
         blocksize2 = 1
-    return n_elements, nested, blocksize2, (absmax, code, absmax2, code2, offset)
+    return shape, blocksize, nested, blocksize2, (absmax, code, absmax2, code2, offset)
+
+
+_OFFSETS = {}
+
+
+def _offset_tensor(value, device):
+    """The tensor for an offset given as a Python float: one per value and device, kept for the
+    life of the process, so that a CUDA graph or a plan that points at it never outlives it."""
+    key = (struct.pack("<f", value), device)
+    if key not in _OFFSETS:
+        _OFFSETS[key] = torch.tensor([value], dtype=torch.float32, device=device)
+    return _OFFSETS[key]
+
+
+def _overlaps(a, b):
+    """Whether two contiguous tensors share any byte."""
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    return (a.device == b.device and a_start < b_start + b.numel() * b.element_size()
+            and b_start < a_start + a.numel() * a.element_size())
 
 
 def dequantize_nf4(weight, quant_state=None, *, out=None):
@@ -455,10 +515,19 @@ def dequantize_nf4(weight, quant_state=None, *, out=None):
     values of ``bitsandbytes.functional.dequantize_4bit``, transposed like it when the packed
     weight has ``shape[0] == 1``. ``out`` is a contiguous buffer of that shape, dtype and device.
     """
-    if out is None and quant_state is not None and not torch.compiler.is_compiling():
-        plan = _PLANS.get((weight.data_ptr(), id(quant_state))) if isinstance(weight, torch.Tensor) else None
-        if plan is not None and plan.matches(weight, quant_state):
-            return plan.launch()
+    if out is None and not torch.compiler.is_compiling():
+        if quant_state is not None and type(weight) is torch.Tensor:
+            plan = _PLANS.get(id(quant_state))
+            if plan is not None and plan.matches(weight, quant_state):
+                return plan.launch()
+        else:
+            # A module or a parameter: Params4bit's Python __torch_function__ would run on every
+            # tensor method the plan calls; with it disabled, the parameter is its plain tensor.
+            with torch._C.DisableTorchFunctionSubclass():
+                packed, qs = _weight_and_state(weight, quant_state)
+                plan = _PLANS.get(id(qs))
+                if plan is not None and plan.matches(packed, qs):
+                    return plan.launch()
     return _dequantize(weight, quant_state, out)
 
 
@@ -477,19 +546,26 @@ def _launch_plan(weight, quant_state, **overrides):
 
 
 def _validate_and_launch(weight, quant_state, out, overrides):
-    weight, qs = _resolve(weight, quant_state)
-    packed = weight.data if isinstance(weight, torch.nn.Parameter) else weight
-    if packed.device.type == "cpu" and not INTERPRET:
-        raise ValueError("dequantize_nf4: CPU tensors need Triton's interpreter "
-                         "(set TRITON_INTERPRET=1 before triton is imported)")
-    if packed.device.type != "cpu" and INTERPRET:
-        raise ValueError(f"dequantize_nf4: the Triton interpreter runs on CPU tensors, got {packed.device}")
-    n_elements, nested, blocksize2, tables = _check_state(packed, qs)
-    shape = torch.Size(qs.shape)
+    packed, qs = _resolve(weight, quant_state)
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"dequantize_nf4: weight must be a tensor, Params4bit or Linear4bit, got {type(weight).__name__}")
+    if qs is None:
+        raise ValueError("dequantize_nf4: no quant_state given and the weight carries none")
+    if not _dense(packed):
+        raise ValueError(f"dequantize_nf4: packed weight must be a dense tensor, got {packed.layout}")
+    if INTERPRET:
+        _require(packed.device.type == "cpu",
+                 f"dequantize_nf4: the Triton interpreter runs on CPU tensors, got {packed.device}")
+    else:
+        _require(packed.device.type != "cpu", "dequantize_nf4: CPU tensors need Triton's interpreter "
+                                              "(set TRITON_INTERPRET=1 before triton is imported)")
+        _require(packed.device.type == "cuda", f"dequantize_nf4: the packed weight must be on a CUDA device, got {packed.device}")
+    shape, blocksize, nested, blocksize2, tables = _check_state(packed, qs)
+    n_elements = shape.numel()
     transpose = packed.dim() > 0 and packed.shape[0] == 1 and len(shape) == 2
 
     if torch.compiler.is_compiling():
-        return _traced_call(packed, qs, tables, n_elements, shape, transpose, blocksize2, nested, out), None
+        return _traced_call(packed, qs, tables, shape, transpose, blocksize, blocksize2, nested, out), None
 
     plan_wanted = out is None and hasattr(type(qs), "__weakref__")  # a plan watches its state by weakref
     if out is None:
@@ -501,13 +577,16 @@ def _validate_and_launch(weight, quant_state, out, overrides):
         _require(out.device == packed.device,
                  f"dequantize_nf4: out is on {out.device} but the packed weight is on {packed.device}")
         _require(out.is_contiguous(), "dequantize_nf4: out must be contiguous")
+        for name, table in zip(("packed weight", "absmax", "code", "state2.absmax", "state2.code", "offset"),
+                               (packed,) + tables):
+            _require(not _overlaps(out, table), f"dequantize_nf4: out overlaps the {name}")
 
     plan = None
     if n_elements > 0:
-        launch = _launch(packed.view(torch.uint8), tables, out, n_elements, qs.blocksize, blocksize2, nested,
+        launch = _launch(packed.view(torch.uint8), tables, out, n_elements, blocksize, blocksize2, nested,
                          qs.quant_type == "fp4", **overrides)
-        if plan_wanted and launch is not None and not _launch_hooks_active():
-            plan = _LaunchPlan(weight, packed, qs, shape, transpose, launch)
+        if plan_wanted and not _launch_hooks_active():
+            plan = _LaunchPlan(packed, qs, shape, blocksize, blocksize2, nested, transpose, tables, launch)
     return (out.t() if transpose else out), plan
 
 
@@ -537,32 +616,60 @@ def _launch_setup(packed, dtype, n_elements, blocksize, blocksize2, nested, fp4,
     return variant, num_warps, n_bytes, (triton.cdiv(n_bytes, variant["BYTES_PER_PROGRAM"]),)
 
 
+# Triton's interpreter keeps the grid and the program index process-wide: one launch at a time.
+_INTERPRETER_LOCK = threading.Lock()
+
+
 def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4, **overrides):
-    """Launch through Triton's JIT; return (compiled kernel, grid, arguments) for a launch plan."""
-    absmax, code, absmax2, code2, offset = tables
+    """Launch through Triton's JIT; return f(stream, out_ptr) that launches the same again on
+    another output (a launch plan's)."""
     variant, num_warps, n_bytes, grid = _launch_setup(packed, out.dtype, n_elements, blocksize, blocksize2,
                                                       nested, fp4, overrides)
-    options = {} if INTERPRET else compile_options(variant["USE_ASM"])
-    args = (packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes)
-    # Triton launches on the current device; switch only when the weight lives on another one.
-    switch = out.is_cuda and out.device.index != torch.cuda.current_device()
+    args = (packed,) + tuple(tables) + (out, n_elements, n_bytes)
+    pointers = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
+    head, out_ptr, tail = pointers[:_OUT_ARG], pointers[_OUT_ARG], pointers[_OUT_ARG + 1:]
+    if INTERPRET:
+        with _INTERPRETER_LOCK:
+            _dequantize_4bit_kernel[grid](*args, num_warps=num_warps, **variant)
+        return _interpreter_launcher(grid, args, num_warps, variant)
+    # Triton launches on the current device: switch only when the weight lives on another one.
+    switch = out.device.index != torch.cuda.current_device()
     with torch.cuda.device(out.device) if switch else contextlib.nullcontext():
-        compiled = _dequantize_4bit_kernel[grid](*args, num_warps=num_warps, **variant, **options)
-    if INTERPRET or switch:
-        return None
-    constexprs = [variant[name] for name in _dequantize_4bit_kernel.arg_names[len(args):]]
-    return compiled, grid[0], args + tuple(constexprs)
+        compiled = _dequantize_4bit_kernel[grid](*args, num_warps=num_warps, **variant,
+                                                 **compile_options(variant["USE_ASM"]))
+        stream = torch._C._cuda_getCurrentRawStream(out.device.index)
+        constexprs = tuple(variant[name] for name in _dequantize_4bit_kernel.arg_names[len(args):])
+        return _kernel_launcher(compiled, grid[0], head, tail + constexprs, stream, out_ptr)
+
+
+def _interpreter_launcher(grid, args, num_warps, variant):
+    """f(stream, out_ptr) for CPU tensors: the interpreter's kernel over the recorded addresses
+    (wrapped as tensors again, as the GPU's launch passes them), like the GPU's plans."""
+    recorded = [(arg.data_ptr(), arg.dtype, arg.numel()) if isinstance(arg, torch.Tensor) else arg for arg in args]
+    out_dtype, out_numel = recorded[_OUT_ARG][1:]
+
+    def at_address(address, dtype, numel):
+        memory = (ctypes.c_char * (numel * dtype.itemsize)).from_address(address)
+        return torch.frombuffer(memory, dtype=dtype, count=numel)
+
+    def launch(stream, out_ptr):
+        views = [at_address(*arg) if isinstance(arg, tuple) else arg for arg in recorded]
+        views[_OUT_ARG] = at_address(out_ptr, out_dtype, out_numel)
+        with _INTERPRETER_LOCK:
+            _dequantize_4bit_kernel[grid](*views, num_warps=num_warps, **variant)
+
+    return launch
 
 
 # --------------------------------------------------------------------------------------------
 # torch.compile: the kernel as a torch.library operator
 # --------------------------------------------------------------------------------------------
-def _traced_call(packed, qs, tables, n_elements, shape, transpose, blocksize2, nested, out):
+def _traced_call(packed, qs, tables, shape, transpose, blocksize, blocksize2, nested, out):
     """Inside torch.compile: the validated call becomes one operator call that Inductor can see."""
     absmax, code, absmax2, code2, offset = tables
     result = torch.ops.nf4_triton.dequantize(
         packed.view(torch.uint8), absmax, code, absmax2, code2, offset, list(shape), qs.dtype,
-        qs.blocksize, blocksize2, nested, qs.quant_type == "fp4")
+        blocksize, blocksize2, nested, qs.quant_type == "fp4")
     if out is not None:
         out.copy_(result)
         result = out
@@ -590,12 +697,14 @@ def _dequantize_op(
         return out
     variant, num_warps, n_bytes, grid = _launch_setup(packed, dtype, n_elements, blocksize, blocksize2,
                                                       nested, fp4, {})
-    # The interpreter's kernel is launched as it is (older torch refuses to wrap it).
-    kernel = _dequantize_4bit_kernel if INTERPRET else torch.library.wrap_triton(_dequantize_4bit_kernel)
-    # Inside a graph the inline-PTX path is used whenever it exists, so no compile option is
-    # needed to keep the scale free of FMAs (wrap_triton passes no compile options).
-    kernel[grid](packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes,
-                 num_warps=num_warps, **variant)
+    args = (packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes)
+    if INTERPRET:  # the interpreter's kernel is launched as it is (older torch refuses to wrap it)
+        with _INTERPRETER_LOCK:
+            _dequantize_4bit_kernel[grid](*args, num_warps=num_warps, **variant)
+    else:
+        # Inside a graph the inline-PTX path is used whenever it exists, so no compile option is
+        # needed to keep the scale free of FMAs (wrap_triton passes no compile options).
+        torch.library.wrap_triton(_dequantize_4bit_kernel)[grid](*args, num_warps=num_warps, **variant)
     return out
 
 
@@ -617,12 +726,14 @@ else:
 # --------------------------------------------------------------------------------------------
 # Launch plans: the per-call fast path
 # --------------------------------------------------------------------------------------------
-# A validated call leaves a plan keyed by (packed data pointer, id(quant_state)). The next call
-# with the same weight checks, attribute by attribute, that nothing the plan relied on changed
-# (same state object and tensors, shape, dtype, device), then allocates the output and calls the
-# compiled kernel's launcher directly, skipping the validation and Triton's argument binding.
-# The kernel reads the weight's bytes on every call, so a weight re-quantized in place is served
-# fresh; anything swapped or moved misses the plan and takes the validating path.
+# A validated call leaves a plan keyed by id(quant_state), one per state. The next call with that
+# state checks that nothing the launch read changed: the state is the same object; the packed
+# weight and every table have the address, dtype and size recorded (a table rebound, `.data`
+# replaced, `set_` or `resize_` all show there); the state's scalars are equal. Then it allocates
+# the output and launches the compiled kernel directly, on the weight's device whichever is
+# current, skipping validation and Triton's argument binding. The kernel reads the bytes on every
+# call, so a weight re-quantized in place is served fresh; anything else takes the validating
+# path, which replaces the plan. A plan holds no tensor: the state holds the tables it checks.
 _PLANS = {}
 _OUT_ARG = 6  # position of out_ptr in the kernel's arguments
 
@@ -641,64 +752,91 @@ else:  # Triton 3.3: plain attributes of CompiledKernel, None when unset
         return compiled_kernel.launch_enter_hook is not None or compiled_kernel.launch_exit_hook is not None
 
 
-class _LaunchPlan:
-    __slots__ = ("key", "state_ref", "packed_shape", "packed_dtype", "absmax", "code", "offset",
-                 "blocksize", "quant_type", "nested", "state2", "absmax2", "code2", "blocksize2", "tables",
-                 "shape", "dtype", "device", "device_index", "transpose", "launch_kernel", "__weakref__")
+def _drop_plan(plans, key, plan_ref):
+    """A state died: forget its plan, unless a newer state already took the key."""
+    plan = plans.get(key)
+    if plan is not None and plan is plan_ref():
+        del plans[key]
 
-    def __init__(self, weight, packed, qs, shape, transpose, launch):
-        compiled, grid, args = launch
-        self.key = (weight.data_ptr(), id(qs))
-        # The dict is bound now: at interpreter exit a state may die after this module's globals
-        # are gone.
-        self.state_ref = weakref.ref(qs, lambda _, key=self.key, plans=_PLANS: plans.pop(key, None))
-        self.packed_shape, self.packed_dtype = weight.shape, weight.dtype
-        # The state's objects themselves, held (so no other object can take their place at the
-        # same address) and later compared with `is`; its scalars (and its shape, as ``shape``) by value.
-        self.absmax, self.code, self.offset, self.dtype = qs.absmax, qs.code, qs.offset, qs.dtype
-        self.blocksize, self.quant_type, self.nested = qs.blocksize, qs.quant_type, qs.nested
-        state2 = qs.state2 if qs.nested else None
-        self.state2 = state2
-        self.absmax2, self.code2, self.blocksize2 = (None, None, None) if state2 is None else (
-            state2.absmax, state2.code, state2.blocksize)
-        # The tensors behind the pointers below (an offset given as a float became a tensor of
-        # the wrapper's own): held so that the pointers stay valid while the plan lives.
-        self.tables = tuple(args[1:_OUT_ARG])
-        self.shape, self.device, self.transpose = shape, packed.device, transpose
-        self.device_index = packed.device.index
-        # Pointers as integers: the launcher takes them as they are, and the plan keeps the packed
-        # weight (the large tensor) alive no longer than its caller does.
-        args = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
-        self.launch_kernel = _kernel_launcher(compiled, grid, args[:_OUT_ARG], args[_OUT_ARG + 1:],
-                                              torch._C._cuda_getCurrentRawStream(self.device_index), args[_OUT_ARG])
+
+class _LaunchPlan:
+    __slots__ = ("key", "state_ref", "packed_ptr", "packed_nbytes", "device", "device_index",
+                 "device_number",
+                 "dtype", "shape", "blocksize", "quant_type", "nested", "blocksize2", "absmax", "code", "absmax2",
+                 "code2", "offset", "transpose", "launch_kernel", "__weakref__")
+
+    def __init__(self, packed, qs, shape, blocksize, blocksize2, nested, transpose, tables, launch_kernel):
+        self.key = id(qs)
+        # The callback's globals are bound now: at interpreter exit a state may die after this
+        # module's globals are gone.
+        self.state_ref = weakref.ref(qs, lambda _, key=self.key, plan=weakref.ref(self), drop=_drop_plan,
+                                     plans=_PLANS: drop(plans, key, plan))
+        # The kernel reads the packed weight as bytes, whatever dtype stores them.
+        self.packed_ptr, self.packed_nbytes = packed.data_ptr(), packed.nbytes
+        self.device, self.device_index = packed.device, packed.device.index
+        self.device_number = packed.get_device()  # -1 on the CPU
+        self.dtype, self.shape, self.blocksize, self.quant_type = qs.dtype, shape, blocksize, qs.quant_type
+        self.nested, self.blocksize2 = nested, blocksize2
+        # (address, dtype, size) of each table as launched; an offset given as a float as its value.
+        absmax, code, absmax2, code2, offset = ((t.data_ptr(), t.dtype, t.numel()) for t in tables)
+        self.absmax, self.code = absmax, code
+        self.absmax2, self.code2 = (absmax2, code2) if nested else (None, None)
+        self.offset = (offset if isinstance(qs.offset, torch.Tensor) else qs.offset) if nested else None
+        self.transpose, self.launch_kernel = transpose, launch_kernel
 
     def keep(self):
         _PLANS[self.key] = self
 
-    def matches(self, weight, qs):
-        """Whether nothing the plan relied on changed: one chain of identity and value tests
-        (1.0 to 1.25 us per call on the H100 host, against 2.9 to 3.0 us for building and
-        comparing a tuple of the state's fields)."""
-        if not (self.state_ref() is qs
-                and qs.absmax is self.absmax and qs.code is self.code and qs.offset is self.offset
-                and qs.dtype is self.dtype and qs.shape == self.shape and qs.blocksize == self.blocksize
-                and qs.quant_type == self.quant_type and qs.nested == self.nested
-                and weight.dtype is self.packed_dtype and weight.shape == self.packed_shape
-                and weight.is_contiguous()
-                and torch._C._cuda_getDevice() == self.device_index
-                and not _launch_hooks_active()):
+    def matches(self, packed, qs):
+        """Whether this plan's launch is the validated call's for (packed, qs)."""
+        try:
+            absmax, code = qs.absmax, qs.code
+            absmax_ptr, absmax_dtype, absmax_numel = self.absmax
+            code_ptr, code_dtype, code_numel = self.code
+            if not (self.state_ref() is qs
+                    and packed.data_ptr() == self.packed_ptr and packed.nbytes == self.packed_nbytes
+                    and packed.is_contiguous()
+                    and packed.get_device() == self.device_number
+                    and qs.dtype is self.dtype and qs.shape == self.shape and qs.blocksize == self.blocksize
+                    and qs.quant_type == self.quant_type and qs.nested == self.nested
+                    and absmax.data_ptr() == absmax_ptr and absmax.dtype is absmax_dtype
+                    and absmax.numel() == absmax_numel
+                    and code.data_ptr() == code_ptr and code.dtype is code_dtype and code.numel() == code_numel
+                    and not _launch_hooks_active()):
+                return False
+            if not self.nested:
+                return True
+            state2, offset = qs.state2, qs.offset
+            absmax2, code2 = state2.absmax, state2.code
+            absmax2_ptr, absmax2_dtype, absmax2_numel = self.absmax2
+            code2_ptr, code2_dtype, code2_numel = self.code2
+            if not (state2.blocksize == self.blocksize2
+                    and absmax2.data_ptr() == absmax2_ptr and absmax2.dtype is absmax2_dtype
+                    and absmax2.numel() == absmax2_numel
+                    and code2.data_ptr() == code2_ptr and code2.dtype is code2_dtype and code2.numel() == code2_numel):
+                return False
+            if isinstance(offset, torch.Tensor):
+                return (offset.data_ptr(), offset.dtype, offset.numel()) == self.offset
+            return offset == self.offset  # given as a number (a tuple recorded never equals one)
+        except (AttributeError, RuntimeError):  # a field gone, or a tensor with no storage (sparse, meta)
             return False
-        if self.state2 is None:
-            return True
-        state2 = qs.state2
-        return (state2 is self.state2 and state2.absmax is self.absmax2 and state2.code is self.code2
-                and state2.blocksize == self.blocksize2)
 
     def launch(self):
         # size= as a keyword: the positional form goes through torch.empty's varargs overloads,
         # 4.5 against 2.3 us per call on the H100 host (NOTES.md, item 21).
         out = torch.empty(size=self.shape, dtype=self.dtype, device=self.device)
-        self.launch_kernel(torch._C._cuda_getCurrentRawStream(self.device_index), out.data_ptr())
+        index = self.device_index
+        if index is None:  # CPU tensors: the interpreter
+            self.launch_kernel(0, out.data_ptr())
+        elif torch._C._cuda_getDevice() == index:
+            self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), out.data_ptr())
+        else:  # Triton launches in the current device's context
+            current = torch._C._cuda_getDevice()
+            torch._C._cuda_setDevice(index)
+            try:
+                self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), out.data_ptr())
+            finally:
+                torch._C._cuda_setDevice(current)
         return out.t() if self.transpose else out
 
 
@@ -787,10 +925,6 @@ _your_dequantize_nf4 = dequantize_nf4  # an alias: one Python call less per harn
 
 
 def your_dequantize_nf4(layer):
-    weight = layer.weight
-    # bitsandbytes' Params4bit defines a Python __torch_function__ (it re-wraps only chunk and split),
-    # so a plain `weight.data` costs 3.3 to 4.8 us on the H100 host; with subclass torch functions
-    # disabled the same tensor costs 1.0 us (NOTES.md, item 21).
-    with torch._C.DisableTorchFunctionSubclass():
-        packed = weight.data
-    return _your_dequantize_nf4(packed, weight.quant_state)
+    """The challenge's entry point: the layer's module form, which reads the packed weight and
+    its state with Params4bit's __torch_function__ disabled (``dequantize_nf4``)."""
+    return _your_dequantize_nf4(layer)

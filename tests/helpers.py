@@ -1,6 +1,7 @@
 """Shared test plumbing: quantized weights made by bitsandbytes, and the bit-exact check."""
 
 import copy
+import threading
 
 import torch
 
@@ -30,6 +31,20 @@ def quantize(shape, *, dtype=torch.float16, nested=True, blocksize=64, quant_typ
         state.to(device)
     state.dtype = dtype
     return packed, state
+
+
+def linear4bit(shape, *, dtype=torch.bfloat16, device="cpu", bias=False, seed=30):
+    """A bitsandbytes Linear4bit (out, in = shape) holding the weight and state that ``quantize``
+    makes, with compute dtype ``dtype``; returns (layer, packed, state)."""
+    import bitsandbytes as bnb
+
+    packed, state = quantize(shape, dtype=dtype, device=device, seed=seed)
+    layer = bnb.nn.Linear4bit(shape[1], shape[0], bias=bias, compute_dtype=dtype, quant_type="nf4", device=device)
+    layer.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, bnb_quantized=True, module=layer)
+    if bias:
+        generator = torch.Generator().manual_seed(seed)
+        layer.bias = torch.nn.Parameter(torch.randn(shape[0], generator=generator).to(dtype).to(device))
+    return layer, packed, state
 
 
 def offset_copy(packed, start):
@@ -118,3 +133,24 @@ def assert_unchanged(packed, state, before):
             assert torch.equal(after[key], value), f"quant_state {key} was modified"
         else:
             assert after[key] == value, f"quant_state {key} was modified"
+
+
+def failures_in_threads(work, count):
+    """Run ``work(i)`` in ``count`` threads at once; return what went wrong, a line per thread:
+    the message it returned, or the exception it raised."""
+    failures = []
+
+    def guarded(i):
+        try:
+            message = work(i)
+        except Exception as error:  # noqa: BLE001 (a thread's exception is reported, not lost)
+            message = f"{type(error).__name__}: {error}"
+        if message:
+            failures.append(f"thread {i}: {message}")
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return failures

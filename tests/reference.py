@@ -29,7 +29,7 @@ def dequantize_reference(packed, quant_state, *, swap_nibbles=False, drop_offset
         mul = torch.mul if keep_subnormals else mul_ftz
         scale = mul(qs.state2.code.cpu()[qs.absmax.cpu().long()], qs.state2.absmax.cpu()[absmax2_index])
         if not drop_offset:
-            scale = scale + qs.offset.cpu().float()
+            scale = scale + torch.as_tensor(qs.offset, dtype=torch.float32).cpu()
     else:
         scale = qs.absmax.cpu().float()
     code = qs.code.cpu()[nibbles]

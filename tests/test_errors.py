@@ -2,11 +2,12 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
 import kernel
-from helpers import quantize
+from helpers import assert_bit_exact, quantize
 
 
 @pytest.fixture
@@ -69,11 +70,52 @@ def test_unsupported_output_dtype(weight, dtype):
         kernel.dequantize_nf4(packed, altered(state, dtype=dtype))
 
 
-@pytest.mark.parametrize("blocksize", [0, 1, 48, 96, 64.0])
-def test_bad_blocksize(weight, blocksize):
+@pytest.mark.parametrize("blocksize, message", [
+    (0, "blocksize must be a power of two"), (1, "blocksize must be a power of two"),
+    (48, "blocksize must be a power of two"), (96, "blocksize must be a power of two"),
+    (64.0, "blocksize must be an integer, got 64.0"), ("64", "blocksize must be an integer"),
+], ids=repr)
+def test_bad_blocksize(weight, blocksize, message):
     packed, state = weight
-    with pytest.raises(ValueError, match="blocksize must be a power of two"):
+    with pytest.raises(ValueError, match=message):
         kernel.dequantize_nf4(packed, altered(state, blocksize=blocksize))
+
+
+@pytest.mark.parametrize("make", [lambda: np.int64(64), lambda: torch.tensor(64)], ids=["numpy", "0-dim tensor"])
+def test_integer_like_blocksize(weight, make):
+    """An integer-like blocksize is the integer it holds, with and without double quantization."""
+    packed, state = weight
+    expected = kernel.dequantize_nf4(packed, state)
+    assert_bit_exact(kernel.dequantize_nf4(packed, altered(state, blocksize=make())), expected)
+    if state.nested:
+        state2 = altered(state.state2, blocksize=make())
+        assert_bit_exact(kernel.dequantize_nf4(packed, altered(state, state2=state2)), expected)
+
+
+@pytest.mark.parametrize("shape, message", [
+    ((8, -64), "shape entries must be >= 0"), ((8, 64.0), "every shape entry must be an integer"),
+    ("8x64", "shape must be a tuple of sizes"),
+], ids=repr)
+def test_bad_shape(weight, shape, message):
+    packed, state = weight
+    with pytest.raises(ValueError, match=message):
+        kernel.dequantize_nf4(packed, altered(state, shape=shape))
+
+
+def test_offset_given_as_a_string(weight):
+    packed, state = weight
+    with pytest.raises(ValueError, match="offset must be a float or a one-element tensor, got '0.5'"):
+        kernel.dequantize_nf4(packed, altered(state, offset="0.5"))
+
+
+@pytest.mark.parametrize("layout", ["sparse", "meta"])
+def test_packed_without_dense_storage(weight, layout):
+    """A sparse packed weight or one on the meta device: a named ValueError, also once a plan exists."""
+    packed, state = weight
+    kernel.dequantize_nf4(packed, state)  # leaves a plan for the state
+    bad = packed.to_sparse() if layout == "sparse" else packed.to("meta")
+    with pytest.raises(ValueError, match="dense tensor" if layout == "sparse" else "meta"):
+        kernel.dequantize_nf4(bad, state)
 
 
 def test_packed_too_small(weight):
@@ -165,3 +207,26 @@ def test_shared_tables_refused_where_triton_cannot_compile_them():
     with pytest.raises(ValueError, match="cannot compile the shared-memory codebook lookup"):
         kernel.set_launch_config(1024, 4, True)
     assert kernel._launch_override is None
+
+
+@pytest.mark.parametrize("target", ["packed weight", "absmax", "code"])
+def test_out_overlapping_an_input(target, device):
+    """An out buffer that shares bytes with an input would overwrite what the launch reads: refused,
+    the input left as it was."""
+    packed, state = quantize((64, 64), dtype=torch.float32, nested=False, device=device)
+    source = {"packed weight": packed, "absmax": state.absmax, "code": state.code}[target]
+    source_bytes = source.view(torch.uint8).reshape(-1).clone()
+    # One buffer: the input's bytes at its start, and the float32 output over all of it.
+    storage = torch.zeros(64 * 64 * 4, dtype=torch.uint8, device=device)
+    storage[:source_bytes.numel()].copy_(source_bytes)
+    inside = storage[:source_bytes.numel()].view(source.dtype)
+    if target == "packed weight":
+        packed = inside
+    elif target == "absmax":
+        state.absmax = inside
+    else:
+        state.code = inside
+    out = storage.view(torch.float32).view(64, 64)
+    with pytest.raises(ValueError, match=f"out overlaps the {target}"):
+        kernel.dequantize_nf4(packed, state, out=out)
+    assert torch.equal(storage[:source_bytes.numel()], source_bytes)
