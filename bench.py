@@ -38,7 +38,8 @@ SHAPES = [(4096, 1024), (1024, 4096), (8192, 2048), (2048, 8192), (14336, 4096),
 QUICK_SHAPES = [(4096, 1024), (8192, 2048), (14336, 4096), (28672, 8192)]
 COMPILE_SHAPES = [(4096, 1024), (14336, 4096)]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-SECTIONS = ("kernels", "harness", "compile", "sweep")
+SECTIONS = ("kernels", "harness", "compile", "sweep", "forms", "model")
+DEFAULT_SECTIONS = ("kernels", "harness", "compile", "sweep", "forms")  # "model" takes minutes more
 
 
 def versions():
@@ -543,6 +544,64 @@ def bench_compile(shapes, dtypes, rounds, rooflines, meta, log):
     return rows
 
 
+FORMS_SHAPE = (2048, 5632)  # out x in: a projection of the small end-to-end model
+
+
+def call_forms(layer, device=None):
+    """Every documented way to dequantize a Linear4bit, and bitsandbytes' own, by name; with
+    ``device``, the same calls made while that device is current."""
+    import bitsandbytes.functional as F
+
+    weight = layer.weight
+    forms = {
+        "dequantize_nf4(layer)": lambda: kernel.dequantize_nf4(layer),
+        "dequantize_nf4(params4bit)": lambda: kernel.dequantize_nf4(layer.weight),
+        "dequantize_nf4(params4bit, state)": lambda: kernel.dequantize_nf4(layer.weight, weight.quant_state),
+        "dequantize_nf4(packed, state)": lambda: kernel.dequantize_nf4(weight.data, weight.quant_state),
+        "your_dequantize_nf4(layer)": lambda: kernel.your_dequantize_nf4(layer),
+        "bitsandbytes dequantize_4bit(packed, state)": lambda: F.dequantize_4bit(weight.data, weight.quant_state),
+    }
+    if device is None:
+        return forms
+
+    def on(fn):
+        def call():
+            with torch.cuda.device(device):
+                return fn()
+        return call
+
+    return {f"{name} [cuda:{device} current]": on(fn) for name, fn in forms.items()}
+
+
+def bench_forms(rounds, meta, log, calls=2000):
+    """Host time per call of each call form, issued back to back (the GPU's queue never drains:
+    this is the time a model's forward pays per layer on the host), rounds interleaved."""
+    import bitsandbytes as bnb
+
+    rows = []
+    for dtype_name, dtype in DTYPES.items():
+        torch.manual_seed(0)
+        layer = bnb.nn.Linear4bit(FORMS_SHAPE[1], FORMS_SHAPE[0], bias=False, compute_dtype=dtype,
+                                  quant_type="nf4").cuda()
+        layer.weight.quant_state.dtype = dtype
+        forms = call_forms(layer)
+        if torch.cuda.device_count() > 1:
+            forms.update(call_forms(layer, device=1))
+        expected = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+        for name, fn in forms.items():
+            if not torch.equal(fn(), expected):
+                raise AssertionError(f"forms: {name} is not bit-exact")
+        samples = {name: [] for name in forms}
+        for round_index in range(rounds):
+            for name in list(forms) if round_index % 2 == 0 else reversed(forms):
+                samples[name].append(host_time_per_call(forms[name], calls))
+        shape = f"{FORMS_SHAPE[0]}x{FORMS_SHAPE[1]}"
+        rows += [seconds_row(meta, "forms", shape, dtype_name, name, times) for name, times in samples.items()]
+        log(f"forms {dtype_name} {shape}, host us per call: " + ", ".join(
+            f"{name} {statistics.median(times) * 1e6:.1f}" for name, times in samples.items()))
+    return rows
+
+
 def host_time_per_call(fn, calls=300):
     """Host seconds per call of ``fn``, its calls issued back to back without waiting for the GPU:
     once this exceeds what do_bench's L2 flush keeps the GPU busy for, do_bench times the host."""
@@ -665,8 +724,8 @@ def main():
     parser.add_argument("--dtype", choices=["fp16", "bf16", "all"], default="all")
     parser.add_argument("--out", default="results", help="folder for CSVs (a per-GPU subfolder is made)")
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but model)")
     parser.add_argument("--plot", metavar="FOLDER", help="only draw the charts of a results folder")
     args = parser.parse_args()
     sections = args.sections.split(",")
@@ -707,6 +766,13 @@ def main():
         rows += bench_compile(COMPILE_SHAPES, dtypes, rounds, rooflines, meta, tqdm.write)
     if "sweep" in sections:
         rows += bench_sweep(QUICK_SHAPES, dtypes, rooflines, meta, tqdm.write)
+    if "forms" in sections:
+        rows += bench_forms(rounds, meta, tqdm.write)
+    if "model" in sections:
+        import modelbench
+
+        sizes = list(modelbench.SIZES)[:1] if args.quick else list(modelbench.SIZES)
+        rows += modelbench.bench_models(sizes, dtypes, rounds, meta, tqdm.write)
 
     folder = write_results(rows, os.path.join(args.out, gpu_slug(gpu)))
     print("wrote", ", ".join(plot(folder)), "and the CSVs in", folder)
@@ -730,17 +796,20 @@ def roofline_rows(meta, rooflines):
 
 
 def write_results(rows, folder):
-    """bench.csv (roofline, kernels by do_bench and by the profiler, harness), sweep.csv and
-    compile.csv, each only if it has rows."""
+    """bench.csv (roofline, kernels by do_bench and by the profiler, harness), forms.csv, model.csv,
+    sweep.csv and compile.csv, each only if it has rows."""
     os.makedirs(folder, exist_ok=True)
     for name, kinds in (("bench.csv", ("roofline", "kernel", "kernel-gpu", "harness")),
+                        ("forms.csv", ("forms",)),
+                        ("model.csv", ("crossover", "prefill", "qlora-step", "qlora-step-checkpointed")),
                         ("sweep.csv", ("roofline", "sweep", "sweep-gpu")),
                         ("compile.csv", ("roofline", "compile", "compile-kernel", "compile-reference",
                                          "compile-host"))):
         selected = [row for row in rows if row["kind"] in kinds]
         if any(row["kind"] != "roofline" for row in selected):
             with open(os.path.join(folder, name), "w", newline="") as handle:
-                writer = csv.DictWriter(handle, fieldnames=list(selected[0].keys()))
+                columns = list(dict.fromkeys(key for row in selected for key in row))  # sections add columns
+                writer = csv.DictWriter(handle, fieldnames=columns, restval="")
                 writer.writeheader()
                 writer.writerows(selected)
     return folder

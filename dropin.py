@@ -1,0 +1,152 @@
+"""Route a model's bitsandbytes 4-bit layers through the fused dequantization kernel.
+
+    import dropin
+    dropin.enable(model)   # every bitsandbytes.nn.Linear4bit, also the base layers of PEFT LoRA
+    dropin.disable(model)  # bitsandbytes' own forward again
+
+Per module: the layer's ``forward`` is replaced on the instance, never on bitsandbytes' class,
+and the weight and quant state are never written. Forward computes ``x @ W.t() (+ bias)`` with W
+dequantized by the kernel; backward dequantizes W again rather than keeping it alive between the
+two (as bitsandbytes does). With the same W, both are bitsandbytes' own arithmetic
+(``F.linear`` forward, ``matmul(grad, W)`` backward), so logits and input gradients are
+bit-exact wherever bitsandbytes dequantizes too. Where bitsandbytes computes an inference input
+with its own fused 4-bit matmul (a few tokens: its GEMV and small-batch kernels, chosen by its
+own per-GPU rule), that path is kept: it is faster there and its arithmetic differs.
+"""
+
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+
+import kernel
+
+__all__ = ["enable", "disable", "is_enabled"]
+
+# On a routed module: (the attribute replaced, its previous value or None, the dequantize function).
+_ROUTE = "_nf4_triton_route"
+
+
+def _linear4bit_type():
+    import bitsandbytes as bnb
+
+    return bnb.nn.Linear4bit
+
+
+def enable(model, dequantize=None):
+    """Route every ``bitsandbytes.nn.Linear4bit`` in ``model`` (itself included) through the
+    kernel; return how many layers are routed now. Calling it again changes nothing.
+    ``dequantize(packed, quant_state)``: another dequantization to route through (benchmarks)."""
+    linear4bit = _linear4bit_type()
+    routed = 0
+    for module in model.modules():
+        if not isinstance(module, linear4bit):
+            continue
+        if _ROUTE not in module.__dict__:
+            # Accelerate's hooks (device_map, offloading) wrap an instance forward and call the
+            # one they saved as `_old_forward`: replace that one so that the hook stays outside.
+            name = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
+            module.__dict__[_ROUTE] = (name, module.__dict__.get(name), dequantize or kernel.dequantize_nf4)
+            setattr(module, name, types.MethodType(_routed_forward, module))
+        routed += 1
+    return routed
+
+
+def disable(model):
+    """Give every routed layer in ``model`` its previous forward back; return how many."""
+    restored = 0
+    for module in model.modules():
+        route = module.__dict__.pop(_ROUTE, None)
+        if route is None:
+            continue
+        name, previous, _ = route
+        if previous is None:
+            del module.__dict__[name]
+        else:
+            setattr(module, name, previous)
+        restored += 1
+    return restored
+
+
+def is_enabled(module):
+    """Whether ``module`` computes through the kernel."""
+    return _ROUTE in module.__dict__
+
+
+def _previous_forward(module):
+    name, previous, _ = module.__dict__[_ROUTE]
+    return previous if previous is not None else types.MethodType(type(module).forward, module)
+
+
+@functools.cache
+def _bitsandbytes_rule():
+    """bitsandbytes' choice between its fused 4-bit matmul and dequantize + matmul: (largest row
+    count it fuses, f(device index, dtype, rows, out features, in features)), or None where this
+    bitsandbytes has no such rule (its GEMV then serves one row)."""
+    try:
+        from bitsandbytes.backends.cuda import ops
+
+        return ops._gemm_4bit_custom_max_m, ops._gemm_4bit_use_custom_fn
+    except (ImportError, AttributeError):
+        return None
+
+
+def _bitsandbytes_fused_kernel(x, quant_state):
+    """Whether bitsandbytes computes ``x`` (no gradient) with its fused 4-bit matmul rather than
+    by dequantizing: its own rule, calibrated per GPU against its dequantize + matmul."""
+    if not x.is_cuda or x.dim() == 0:
+        return False
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    rule = _bitsandbytes_rule()
+    if rule is None:
+        return m == 1
+    max_rows, fused = rule
+    if m > max_rows or k % quant_state.blocksize:
+        return False
+    return fused(x.device.index, x.dtype, m, quant_state.shape[0], k)
+
+
+def _routed_forward(module, x, *args, **kwargs):
+    """Linear4bit.forward with the weight dequantized by the kernel (see the module docstring)."""
+    weight = module.weight
+    quant_state = getattr(weight, "quant_state", None)
+    if quant_state is None or args or kwargs:  # bitsandbytes restores a lost state (FSDP) itself
+        return _previous_forward(module)(x, *args, **kwargs)
+    if not module.compute_type_is_set:  # what bitsandbytes' forward does on its first call
+        module.set_compute_type(x)
+        module.compute_type_is_set = True
+    compute_x = x if module.compute_dtype is None else x.to(module.compute_dtype)
+    bias = module.bias
+    if bias is not None:
+        bias = bias.to(compute_x.dtype)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    if (quant_state.dtype != compute_x.dtype  # bitsandbytes dequantizes straight to x's dtype: one rounding
+            or (not needs_grad and not torch.compiler.is_compiling()
+                and _bitsandbytes_fused_kernel(compute_x, quant_state))):
+        return _previous_forward(module)(x)
+    packed, quant_state = kernel._resolve(weight, quant_state)
+    dequantize = module.__dict__[_ROUTE][2]
+    return _DequantizedLinear.apply(compute_x, packed, quant_state, bias, dequantize).to(x.dtype)
+
+
+class _DequantizedLinear(torch.autograd.Function):
+    """``F.linear(x, W, bias)`` with W dequantized in forward and again in backward."""
+
+    @staticmethod
+    def forward(ctx, x, packed, quant_state, bias, dequantize):
+        # Held as attributes, not saved tensors: saved-tensor hooks (activation offloading) would
+        # copy the packed weight every step.
+        ctx.packed, ctx.quant_state, ctx.dequantize = packed, quant_state, dequantize
+        return F.linear(x, dequantize(packed, quant_state), bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            weight = ctx.dequantize(ctx.packed, ctx.quant_state)
+            grad_x = torch.matmul(grad_output, weight.to(grad_output.dtype))
+        if ctx.needs_input_grad[3]:
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
+        return grad_x, None, None, grad_bias, None

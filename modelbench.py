@@ -1,0 +1,297 @@
+"""End to end: a Llama-style model in 4-bit NF4, its Linear4bit layers computed by bitsandbytes,
+by this kernel through the drop-in, or by Unsloth's fast_dequantize through the same drop-in.
+
+The model is built offline from a config with random weights, saved, and loaded back through
+transformers' BitsAndBytesConfig as users load a 4-bit model (NF4, double quantization). Timed
+per contender, rounds interleaved: prefill (inference forward) at several token counts, a QLoRA
+training step (PEFT LoRA r=16 on every linear layer, forward + backward + AdamW) with and without
+gradient checkpointing, and, per layer shape, bitsandbytes' own 4-bit matmul against dequantize
++ matmul at small token counts (where bitsandbytes uses its fused kernels). bench.py's ``model``
+section runs it.
+"""
+
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+import dropin
+import kernel
+
+SIZES = {  # the first: a small model whose host time matters; the second: the challenge's layers
+    "2048x5632x4": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
+                        num_key_value_heads=16),
+    "4096x14336x2": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                         num_key_value_heads=8),
+}
+PREFILL_TOKENS = [(1, 1), (1, 128), (4, 512)]  # (batch, sequence)
+TRAIN_TOKENS = (4, 512)
+CROSSOVER_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 1536]
+LORA_RANK = 16
+
+
+def llama_config(size, vocab_size=32000):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, max_position_embeddings=2048, **SIZES[size])
+
+
+def save_random_llama(size, folder, seed=0, vocab_size=32000):
+    """A LlamaForCausalLM of ``size`` with random weights, saved in bf16 to ``folder``."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = LlamaForCausalLM(llama_config(size, vocab_size)).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    del model
+
+
+def load_4bit(folder, dtype, device_map="cuda:0"):
+    """The saved model in 4-bit NF4 with double quantization, as transformers loads it."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=dtype,
+                                                device_map=device_map)
+
+
+def linear4bit_layers(model):
+    import bitsandbytes as bnb
+
+    return [module for module in model.modules() if isinstance(module, bnb.nn.Linear4bit)]
+
+
+def add_lora(model):
+    """PEFT LoRA r=16 on every linear layer, as QLoRA fine-tuning sets it up."""
+    import peft
+
+    config = peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules="all-linear",
+                             task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, config)
+
+
+def route(model, contender, dequantize_functions):
+    """Compute the model's Linear4bit layers as ``contender`` does."""
+    dropin.disable(model)
+    if contender != "bitsandbytes":
+        dropin.enable(model, dequantize=dequantize_functions[contender])
+
+
+def contenders(log=print):
+    """name -> dequantize function for the drop-in (None: bitsandbytes' own forward)."""
+    import bench
+
+    found = {"bitsandbytes": None, "nf4-triton": kernel.dequantize_nf4}
+    unsloth = bench.unsloth_fast_dequantize(log)
+    if unsloth is not None:
+        found["unsloth-fused"] = unsloth
+    return found
+
+
+def timed(fn, calls):
+    """Seconds per call and peak bytes allocated during the calls."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls, torch.cuda.max_memory_allocated()
+
+
+def dequantize_share(fn, calls=3):
+    """Share of the GPU's kernel time that dequantization kernels take (profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    time.sleep(0.05)
+    torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.time_range.elapsed_us() for e in kernels)
+    dequant = sum(e.time_range.elapsed_us() for e in kernels if "dequant" in e.name.lower())
+    return dequant / total if total else 0.0
+
+
+def prefill_fn(model, batch, seq, vocab_size):
+    ids = torch.randint(0, vocab_size, (batch, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+
+    def prefill():
+        with torch.inference_mode():
+            return model(ids).logits
+
+    return prefill
+
+
+def train_step_fn(model, optimizer, batch, seq, vocab_size):
+    ids = torch.randint(0, vocab_size, (batch, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def row(meta, kind, size, dtype_name, tokens, implementation, seconds, peaks, share, **extra):
+    median = statistics.median(seconds)
+    ordered = sorted(seconds)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]  # noqa: E731
+    n_tokens = tokens[0] * tokens[1]
+    return dict(meta, kind=kind, model=size, dtype=dtype_name, tokens=f"{tokens[0]}x{tokens[1]}",
+                implementation=implementation, median_ms=median * 1e3, p20_ms=pick(0.2) * 1e3,
+                p80_ms=pick(0.8) * 1e3, tokens_per_s=n_tokens / median, peak_mib=max(peaks) / 2**20,
+                dequant_share=share, **extra)
+
+
+def bench_prefill(model, size, dtype_name, rounds, functions, meta, log):
+    vocab = model.config.vocab_size
+    rows = []
+    for tokens in PREFILL_TOKENS:
+        prefill = prefill_fn(model, *tokens, vocab)
+        calls = 20 if tokens[0] * tokens[1] >= 2048 else 50
+        samples = {name: ([], []) for name in functions}
+        logits = {}
+        for _ in range(rounds):
+            for name in functions:
+                route(model, name, functions)
+                seconds, peak = timed(prefill, calls)
+                samples[name][0].append(seconds)
+                samples[name][1].append(peak)
+        for name in functions:
+            route(model, name, functions)
+            logits[name] = prefill()
+            share = dequantize_share(prefill)
+            same = torch.equal(logits[name], logits["bitsandbytes"])
+            rows.append(row(meta, "prefill", size, dtype_name, tokens, name, *samples[name], share,
+                            logits_equal_bitsandbytes=same))
+        route(model, "bitsandbytes", functions)
+        log(f"prefill {size} {dtype_name} {tokens[0]}x{tokens[1]}: " + ", ".join(
+            f"{r['implementation']} {r['median_ms']:.2f} ms" for r in rows[-len(functions):]))
+    return rows
+
+
+def bench_train(model, size, dtype_name, rounds, functions, meta, log):
+    vocab = model.config.vocab_size
+    rows = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        model.train()
+        lora = [p for p in model.parameters() if p.requires_grad]
+        initial = [p.detach().clone() for p in lora]
+        optimizer = torch.optim.AdamW(lora, lr=1e-4)
+        step = train_step_fn(model, optimizer, *TRAIN_TOKENS, vocab)
+        samples = {name: ([], []) for name in functions}
+        for _ in range(rounds):
+            for name in functions:
+                route(model, name, functions)
+                seconds, peak = timed(step, 5)
+                samples[name][0].append(seconds)
+                samples[name][1].append(peak)
+        # Loss and LoRA gradients of one batch from the starting LoRA weights, per contender;
+        # bitsandbytes twice, the second run its own row: its run-to-run difference.
+        ids = torch.randint(0, vocab, TRAIN_TOKENS, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+
+        def loss_and_grads(name):
+            route(model, name, functions)
+            for p, start in zip(lora, initial):
+                p.data.copy_(start)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            grads = [p.grad.detach().clone() for p in lora]
+            model.zero_grad(set_to_none=True)
+            return loss.detach(), grads
+
+        reference_loss, reference_grads = loss_and_grads("bitsandbytes")
+        for name in functions:
+            loss, grads = loss_and_grads(name)
+            share = dequantize_share(step, calls=2)
+            largest = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference_grads))
+            rows.append(row(meta, "qlora-step-checkpointed" if checkpointing else "qlora-step", size, dtype_name,
+                            TRAIN_TOKENS, name, *samples[name], share,
+                            loss_equal_bitsandbytes=torch.equal(loss, reference_loss),
+                            lora_grads_equal_bitsandbytes=all(map(torch.equal, grads, reference_grads)),
+                            lora_grad_max_diff=largest))
+        for p, start in zip(lora, initial):
+            p.data.copy_(start)
+        route(model, "bitsandbytes", functions)
+        log(f"qlora step {size} {dtype_name} checkpointing={checkpointing}: " + ", ".join(
+            f"{r['implementation']} {r['median_ms']:.1f} ms {r['peak_mib']:.0f} MiB" for r in rows[-len(functions):]))
+    model.gradient_checkpointing_disable()
+    model.eval()
+    return rows
+
+
+def bench_crossover(model, size, dtype_name, meta, log):
+    """Per distinct Linear4bit shape: bitsandbytes' matmul_4bit (its own rule: fused kernel or
+    dequantize + linear) against this kernel's dequantize + linear, at small row counts."""
+    import bitsandbytes as bnb
+    import triton.testing
+
+    rows = []
+    seen = set()
+    for layer in linear4bit_layers(model):
+        state = layer.weight.quant_state
+        shape = tuple(state.shape)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        packed = layer.weight.data
+        for m in CROSSOVER_ROWS:
+            x = torch.randn(m, shape[1], dtype=state.dtype, device="cuda")
+            fns = {"bitsandbytes": lambda: bnb.matmul_4bit(x, layer.weight, quant_state=state),
+                   "nf4-triton": lambda: torch.nn.functional.linear(x, kernel.dequantize_nf4(packed, state))}
+            with torch.inference_mode():
+                times = {name: triton.testing.do_bench(fn, warmup=10, rep=40, quantiles=[0.5, 0.2, 0.8])
+                         for name, fn in fns.items()}
+                fused = dropin._bitsandbytes_fused_kernel(x, state)
+            for name, (median, p20, p80) in times.items():
+                rows.append(dict(meta, kind="crossover", model=size, dtype=dtype_name, tokens=str(m),
+                                 implementation=name, median_ms=median, p20_ms=p20, p80_ms=p80,
+                                 tokens_per_s=m / median * 1e3, peak_mib=0.0, dequant_share=0.0,
+                                 layer=f"{shape[0]}x{shape[1]}", bitsandbytes_fused=fused))
+        log(f"crossover {size} {dtype_name} {shape[0]}x{shape[1]}: " + ", ".join(
+            f"m={r['tokens']} {'bnb-fused' if r['bitsandbytes_fused'] else 'bnb-deq'} "
+            f"{r['median_ms'] * 1e3:.0f}/{s['median_ms'] * 1e3:.0f} us"
+            for r, s in zip(rows[-2 * len(CROSSOVER_ROWS)::2], rows[-2 * len(CROSSOVER_ROWS) + 1::2])))
+    return rows
+
+
+def bench_models(sizes, dtypes, rounds, meta, log=print, folder=None):
+    """Every section for every size and dtype; returns CSV rows."""
+    functions = contenders(log)
+    rows = []
+    with tempfile.TemporaryDirectory() if folder is None else contextlib.nullcontext(folder) as root:
+        for size in sizes:
+            path = os.path.join(root, size)
+            if not os.path.exists(os.path.join(path, "config.json")):
+                save_random_llama(size, path)
+            for dtype_name, dtype in dtypes.items():
+                model = load_4bit(path, dtype)
+                model.eval()
+                rows += bench_crossover(model, size, dtype_name, meta, log)
+                rows += bench_prefill(model, size, dtype_name, rounds, functions, meta, log)
+                model = add_lora(model)
+                rows += bench_train(model, size, dtype_name, rounds, functions, meta, log)
+                del model
+                torch.cuda.empty_cache()
+    return rows

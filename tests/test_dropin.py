@@ -1,0 +1,263 @@
+"""The drop-in (dropin.enable): bitsandbytes' Linear4bit layers computed through the kernel.
+Everywhere: against F.linear / matmul on the expected weight (bitsandbytes' own dequantizing
+arithmetic). On a GPU also against bitsandbytes' own forward and backward."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dropin
+import kernel
+from helpers import assert_bit_exact, expected_values, linear4bit, snapshot, assert_unchanged
+
+DTYPES = [torch.float16, torch.bfloat16]
+# Rows above bitsandbytes' fused-kernel range (1536): inference there is dequantize + matmul, so
+# the drop-in computes it and F.linear on the expected weight is bitsandbytes' own arithmetic.
+ROWS = 1600
+
+
+class TwoLayers(torch.nn.Module):
+    """An MLP of two Linear4bit layers (odd sizes) with a plain Linear between, as in a model."""
+
+    def __init__(self, device, dtype, bias=False):
+        super().__init__()
+        self.up, _, _ = linear4bit((96, 64), dtype=dtype, device=device, bias=bias, seed=1)
+        self.mix = torch.nn.Linear(96, 96, dtype=dtype, device=device)
+        self.down, _, _ = linear4bit((64, 96), dtype=dtype, device=device, bias=bias, seed=2)
+
+    def forward(self, x):
+        return self.down(F.silu(self.mix(self.up(x))))
+
+
+def expected_weight(layer):
+    return expected_values(layer.weight.data, layer.weight.quant_state)
+
+
+def test_enable_and_disable(device):
+    model = TwoLayers(device, torch.bfloat16)
+    before = [snapshot(layer.weight.data, layer.weight.quant_state) for layer in (model.up, model.down)]
+    class_forward = type(model.up).forward
+    assert dropin.enable(model) == 2
+    assert dropin.enable(model) == 2  # again: nothing changes
+    assert dropin.is_enabled(model.up) and dropin.is_enabled(model.down)
+    assert "forward" in vars(model.up) and type(model.up).forward is class_forward
+    assert dropin.disable(model) == 2
+    assert dropin.disable(model) == 0
+    assert "forward" not in vars(model.up) and not dropin.is_enabled(model.up)
+    for layer, saved in zip((model.up, model.down), before):
+        assert_unchanged(layer.weight.data, layer.weight.quant_state, saved)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_and_backward(dtype, bias, device):
+    """Forward F.linear(x, W, bias), input gradient matmul(grad, W), bias gradient the sum: bit-exact
+    with W bitsandbytes' weight, and the weights and states untouched."""
+    layer, packed, state = linear4bit((96, 64), dtype=dtype, device=device, bias=bias, seed=3)
+    saved = snapshot(packed, state)
+    weight = expected_weight(layer)
+    x = torch.randn(3, 5, 64, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn(3, 5, 96, dtype=dtype, device=device)
+    dropin.enable(layer)
+    out = layer(x)
+    assert_bit_exact(out, F.linear(x, weight, layer.bias))
+    out.backward(grad)
+    assert_bit_exact(x.grad, torch.matmul(grad, weight))
+    if bias:
+        assert_bit_exact(layer.bias.grad, grad.reshape(-1, 96).sum(0))
+    assert_unchanged(packed, state, saved)
+
+
+def test_no_weight_kept_between_forward_and_backward(device):
+    """Backward dequantizes again: forward's weight is not saved for it."""
+    layer, _, _ = linear4bit((96, 64), device=device, seed=4)
+    calls = []
+    dropin.enable(layer, dequantize=lambda *args: calls.append(1) or kernel.dequantize_nf4(*args))
+    x = torch.randn(4, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: pytest.fail(f"saved {tuple(t.shape)}"), lambda t: t):
+        out = layer(x)
+    out.sum().backward()
+    assert len(calls) == 2
+
+
+def test_model_gradients_with_checkpointing(device):
+    """Gradient checkpointing recomputes the forward in backward: same gradients, bit-exact."""
+    model = TwoLayers(device, torch.bfloat16)
+    dropin.enable(model)
+    x = torch.randn(2, 7, 64, dtype=torch.bfloat16, device=device)
+    grads = []
+    for checkpointed in (False, True):
+        model.zero_grad()
+        inputs = x.clone().requires_grad_()
+        out = (torch.utils.checkpoint.checkpoint(model, inputs, use_reentrant=False) if checkpointed
+               else model(inputs))
+        out.float().square().sum().backward()
+        grads.append((out, inputs.grad, model.mix.weight.grad))
+    for plain, checkpointed in zip(*grads):
+        assert_bit_exact(checkpointed, plain)
+
+
+def test_model_equals_unrouted_arithmetic(device):
+    """The routed model equals the same model with every Linear4bit replaced by F.linear on its
+    expected weight (what bitsandbytes computes where it dequantizes)."""
+    model = TwoLayers(device, torch.bfloat16, bias=True)
+    dense = copy.deepcopy(model)
+    for name in ("up", "down"):
+        layer = getattr(model, name)
+        linear = torch.nn.Linear(layer.in_features, layer.out_features, dtype=torch.bfloat16, device=device)
+        linear.weight.data, linear.bias.data = expected_weight(layer), layer.bias.data.clone()
+        setattr(dense, name, linear)
+    x = torch.randn(2, ROWS // 2, 64, dtype=torch.bfloat16, device=device)
+    dropin.enable(model)
+    assert_bit_exact(model(x), dense(x))
+
+
+def test_other_weight_dtype_keeps_bitsandbytes(device, monkeypatch):
+    """A state whose dtype is not the compute dtype: bitsandbytes dequantizes straight to the
+    compute dtype (one rounding), so its own forward is kept."""
+    layer, _, state = linear4bit((96, 64), dtype=torch.float32, device=device, seed=5)
+    layer.compute_dtype = torch.bfloat16
+    dropin.enable(layer)
+    monkeypatch.setattr(dropin._DequantizedLinear, "apply", lambda *args: pytest.fail("routed"))
+    x = torch.randn(4, 64, dtype=torch.bfloat16, device=device)
+    dropin.disable(layer)
+    expected = layer(x)
+    dropin.enable(layer)
+    assert_bit_exact(layer(x), expected)
+
+
+def test_lost_quant_state_goes_to_bitsandbytes(device):
+    """A Params4bit that lost its quant state (FSDP's flat parameters): bitsandbytes' forward
+    restores it from the module, as it would without the drop-in."""
+    layer, _, state = linear4bit((96, 64), device=device, seed=6)
+    x = torch.randn(4, 64, dtype=torch.bfloat16, device=device)
+    expected = layer(x)  # bitsandbytes' own
+    dropin.enable(layer)
+    layer.quant_state = state
+    layer.weight.quant_state = None
+    assert_bit_exact(layer(x), expected)
+    assert layer.weight.quant_state is state
+
+
+def test_accelerate_hook_stays_outside(device):
+    """Accelerate's hooks (device_map) call the forward they saved as `_old_forward`: that one is
+    routed and the hook kept; disable puts it back."""
+    layer, _, _ = linear4bit((96, 64), device=device, seed=7)
+    seen = []
+    saved = layer.forward
+    layer._old_forward = saved
+    layer.forward = lambda x: seen.append(1) or layer._old_forward(x)
+    hook = layer.forward
+    dropin.enable(layer)
+    assert layer.forward is hook and dropin.is_enabled(layer)
+    x = torch.randn(ROWS, 64, dtype=torch.bfloat16, device=device)
+    assert_bit_exact(layer(x), F.linear(x, expected_weight(layer)))
+    assert seen == [1]
+    dropin.disable(layer)
+    assert layer.forward is hook and layer._old_forward == saved
+
+
+def test_peft_lora_base_layers(device):
+    """PEFT LoRA wraps each Linear4bit: the base layers are routed, the adapters untouched, and
+    the adapters' gradients equal those of the unrouted arithmetic."""
+    peft = pytest.importorskip("peft")
+    model = TwoLayers(device, torch.bfloat16)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["up", "down"], init_lora_weights=False)
+    model = peft.get_peft_model(model, config)
+    assert dropin.enable(model) == 2
+    x = torch.randn(2, ROWS // 2, 64, dtype=torch.bfloat16, device=device)
+    out = model(x)
+    out.float().square().sum().backward()
+    routed = [p.grad.clone() for name, p in model.named_parameters() if "lora_" in name]
+    assert routed and all(g.abs().sum() > 0 for g in routed)
+    model.zero_grad()
+    dropin.disable(model)
+    base = model.base_model.model
+    for name in ("up", "down"):  # the base layer's bitsandbytes arithmetic written out
+        layer = getattr(base, name).base_layer
+        layer.forward = (lambda w: lambda inputs: F.linear(inputs, w))(expected_weight(layer))
+    expected_out = model(x)
+    expected_out.float().square().sum().backward()
+    assert_bit_exact(out, expected_out)
+    for got, expected in zip(routed, [p.grad for name, p in model.named_parameters() if "lora_" in name]):
+        assert_bit_exact(got, expected)
+
+
+def test_compiled_forward_and_backward_without_graph_break(device):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = TwoLayers(device, torch.bfloat16)
+    dropin.enable(model)
+    x = torch.randn(2, ROWS // 2, 64, dtype=torch.bfloat16, device=device)
+
+    def step(inputs):
+        inputs = inputs.clone().requires_grad_()
+        out = model(inputs)
+        out.float().square().sum().backward()
+        return out, inputs.grad
+
+    expected = step(x)
+    compiled = torch.compile(model, fullgraph=True)
+    inputs = x.clone().requires_grad_()
+    out = compiled(inputs)
+    out.float().square().sum().backward()
+    assert not counters["graph_break"]
+    assert_bit_exact(out, expected[0])
+    torch.testing.assert_close(inputs.grad, expected[1], rtol=0, atol=0)
+
+
+# ---- GPU: against bitsandbytes' own forward and backward --------------------------------------
+def bitsandbytes_layer(shape, dtype, bias):
+    import bitsandbytes as bnb
+
+    torch.manual_seed(shape[0])
+    layer = bnb.nn.Linear4bit(shape[1], shape[0], bias=bias, compute_dtype=dtype, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(shape).to(dtype), requires_grad=False, quant_type="nf4",
+                                     compress_statistics=True)
+    layer = layer.cuda()
+    if bias:
+        layer.bias.data = layer.bias.data.to(dtype)
+    return layer
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_training_step_equals_bitsandbytes(dtype, bias):
+    """Above bitsandbytes' fused-kernel rows (1536) it dequantizes too: output and input gradient
+    bit-exact with its own forward and backward."""
+    layer = bitsandbytes_layer((640, 384), dtype, bias)
+    x = torch.randn(2, 1000, 384, dtype=dtype, device="cuda")
+    grad = torch.randn(2, 1000, 640, dtype=dtype, device="cuda")
+    results = []
+    for routed in (False, True):
+        dropin.enable(layer) if routed else dropin.disable(layer)
+        inputs = x.clone().requires_grad_()
+        out = layer(inputs)
+        out.backward(grad)
+        results.append((out, inputs.grad))
+    for expected, got in zip(*results):
+        assert_bit_exact(got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 16, 200, 2000])
+def test_inference_equals_bitsandbytes(rows, monkeypatch):
+    """Inference: where bitsandbytes uses its fused kernel its forward is kept (same bits); where
+    it dequantizes, ours gives its bits."""
+    layer = bitsandbytes_layer((1024, 512), torch.bfloat16, False)
+    x = torch.randn(rows, 512, dtype=torch.bfloat16, device="cuda")
+    with torch.inference_mode():
+        expected = layer(x)
+        dropin.enable(layer)
+        fused = dropin._bitsandbytes_fused_kernel(x, layer.weight.quant_state)
+        if fused:
+            monkeypatch.setattr(dropin._DequantizedLinear, "apply", lambda *args: pytest.fail("routed"))
+        got = layer(x)
+    assert_bit_exact(got, expected)
+    if rows >= 2000:
+        assert not fused

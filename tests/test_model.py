@@ -1,0 +1,62 @@
+"""A Llama-style model loaded in 4-bit through transformers' BitsAndBytesConfig (random weights
+saved offline), its Linear4bit layers routed through the kernel: bitsandbytes' logits, every layer
+on the launch-plan fast path, on one GPU and split over two."""
+
+import pytest
+import torch
+
+import dropin
+import kernel
+import modelbench
+
+pytestmark = pytest.mark.gpu
+
+TINY = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    pytest.importorskip("transformers")
+    folder = str(tmp_path_factory.mktemp("tiny-llama"))
+    modelbench.SIZES["tiny"] = TINY
+    try:
+        modelbench.save_random_llama("tiny", folder, vocab_size=1000)
+    finally:
+        del modelbench.SIZES["tiny"]
+    return folder
+
+
+def logits_and_fast_path(model, monkeypatch):
+    """Logits of a 4x512 prefill (above bitsandbytes' fused-kernel rows), routed, after a warm-up
+    call; the measured call may not take the validating path once."""
+    ids = torch.randint(0, 1000, (4, 512), device=model.device, generator=torch.Generator(model.device).manual_seed(0))
+    with torch.inference_mode():
+        expected = model(ids).logits
+        assert dropin.enable(model) == 2 * 7
+        model(ids)
+        with monkeypatch.context() as patch:
+            patch.setattr(kernel, "_dequantize", lambda *args, **kwargs: pytest.fail("a layer missed its plan"))
+            got = model(ids).logits
+    dropin.disable(model)
+    return expected, got
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_logits_equal_bitsandbytes(saved_model, dtype, monkeypatch):
+    model = modelbench.load_4bit(saved_model, dtype)
+    expected, got = logits_and_fast_path(model, monkeypatch)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_model_split_over_two_gpus(saved_model, monkeypatch):
+    """device_map puts layer 0 on cuda:0 and layer 1 on cuda:1: whichever device is current,
+    each layer launches on its own and stays on the fast path."""
+    device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1,
+                  "model.rotary_emb": 0, "lm_head": 1}
+    model = modelbench.load_4bit(saved_model, torch.bfloat16, device_map=device_map)
+    devices = {layer.weight.device.index for layer in modelbench.linear4bit_layers(model)}
+    assert devices == {0, 1}
+    with torch.cuda.device(0):
+        expected, got = logits_and_fast_path(model, monkeypatch)
+    assert torch.equal(got, expected)
