@@ -715,7 +715,36 @@ def plot(folder):
         written.append(os.path.join(folder, "sweep.png"))
         fig.savefig(written[-1], dpi=100)
         plt.close(fig)
+    model_csv = os.path.join(folder, "model.csv")
+    if os.path.exists(model_csv):
+        written.append(plot_model(pd.read_csv(model_csv), os.path.join(folder, "model.png"), plt))
     return written
+
+
+def plot_model(frame, path, plt):
+    """End to end: time per prefill and per QLoRA step, each contender over bitsandbytes' own
+    (a bar per contender, a panel per model and dtype)."""
+    frame = frame[frame["kind"] != "crossover"].copy()
+    frame["case"] = frame["kind"].str.replace("qlora-step-checkpointed", "step+ckpt").str.replace(
+        "qlora-step", "step") + " " + frame["tokens"]
+    groups = list(frame.groupby(["model", "dtype"], sort=False))
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4.5), squeeze=False)
+    for ax, ((model, dtype), rows) in zip(axes.flat, groups):
+        table = rows.pivot(index="case", columns="implementation", values="median_ms")
+        table = table.loc[list(dict.fromkeys(rows["case"]))]
+        (table["bitsandbytes"].to_numpy()[:, None] / table).plot.bar(ax=ax, rot=30)
+        ax.axhline(1, color="black", linewidth=0.8, linestyle="--")
+        ax.set_title(f"{model} {dtype}", fontsize=9)
+        ax.set_ylabel("speed over bitsandbytes' Linear4bit (x)")
+        ax.legend(fontsize=7)
+    meta = frame.iloc[0]
+    fig.suptitle(f"Llama-style model, 4-bit NF4 (hidden x intermediate x layers) | {meta['gpu']} | torch "
+                 f"{meta['torch_version']} | triton {meta['triton_version']} | bnb {meta['bitsandbytes_version']} | "
+                 f"unsloth {meta['unsloth_version']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def main():
