@@ -21,6 +21,7 @@ import argparse
 import copy
 import csv
 import datetime
+import functools
 import math
 import os
 import platform
@@ -353,6 +354,7 @@ def harness_seconds(fx, options_layers, iterations=1000):
 
 @triton.jit
 def _empty_kernel(
+    packed_ptr,  # the packed weight's place in a plan's launch, unread
     out_ptr,  # the freshly allocated output, left untouched
 ):
     pass
@@ -362,14 +364,15 @@ def harness_floor():
     """An fx for the harness that allocates the output and launches an empty kernel the way the
     launch plans do: the host path every dequantizer pays, with no kernel time."""
     first_out = torch.empty(1, device="cuda")
-    compiled = _empty_kernel[(1,)](first_out)
+    compiled = _empty_kernel[(1,)](first_out, first_out)
+    pointer = first_out.data_ptr()
     launch = kernel._kernel_launcher(compiled, 1, (), (), torch._C._cuda_getCurrentRawStream(first_out.device.index),
-                                     first_out.data_ptr())
+                                     pointer, pointer)
 
     def fx(layer):
         state = layer.weight.quant_state
         out = torch.empty(size=state.shape, dtype=state.dtype, device="cuda")  # the cheapest form (kernel.py)
-        launch(torch._C._cuda_getCurrentRawStream(out.device.index), out.data_ptr())
+        launch(torch._C._cuda_getCurrentRawStream(out.device.index), pointer, out.data_ptr())
         return out
 
     return fx
@@ -640,7 +643,7 @@ def bench_sweep(shapes, dtypes, rooflines, meta, log):
     rows = []
     for dtype_name, shape, packed, state in tqdm(weights(shapes, dtypes), desc="sweep", total=len(shapes) * len(dtypes)):
         expected = kernel.dequantize_nf4(packed, state)
-        launches = {config_label(config): kernel._launch_plan(packed, state, **config).launch
+        launches = {config_label(config): functools.partial(kernel._launch_plan(packed, state, **config).launch, packed)
                     for config in SWEEP_CONFIGS}
         for label, fn in launches.items():
             assert torch.equal(fn(), expected), label

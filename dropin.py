@@ -112,7 +112,11 @@ def _routed_forward(module, x, *args, **kwargs):
     """Linear4bit.forward with the weight dequantized by the kernel (see the module docstring)."""
     weight = module.weight
     quant_state = getattr(weight, "quant_state", None)
-    if quant_state is None or args or kwargs:  # bitsandbytes restores a lost state (FSDP) itself
+    if quant_state is None:
+        # FSDP's flat parameters replace the Params4bit with a plain view of its bytes; bitsandbytes
+        # keeps the state on the module too (its own forward wraps the view again, we only read it).
+        quant_state = getattr(module, "quant_state", None)
+    if quant_state is None or args or kwargs:
         return _previous_forward(module)(x, *args, **kwargs)
     if not module.compute_type_is_set:  # what bitsandbytes' forward does on its first call
         module.set_compute_type(x)

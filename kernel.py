@@ -519,7 +519,7 @@ def dequantize_nf4(weight, quant_state=None, *, out=None):
         if quant_state is not None and type(weight) is torch.Tensor:
             plan = _PLANS.get(id(quant_state))
             if plan is not None and plan.matches(weight, quant_state):
-                return plan.launch()
+                return plan.launch(weight)
         else:
             # A module or a parameter: Params4bit's Python __torch_function__ would run on every
             # tensor method the plan calls; with it disabled, the parameter is its plain tensor.
@@ -527,7 +527,7 @@ def dequantize_nf4(weight, quant_state=None, *, out=None):
                 packed, qs = _weight_and_state(weight, quant_state)
                 plan = _PLANS.get(id(qs))
                 if plan is not None and plan.matches(packed, qs):
-                    return plan.launch()
+                    return plan.launch(packed)
     return _dequantize(weight, quant_state, out)
 
 
@@ -621,13 +621,14 @@ _INTERPRETER_LOCK = threading.Lock()
 
 
 def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4, **overrides):
-    """Launch through Triton's JIT; return f(stream, out_ptr) that launches the same again on
-    another output (a launch plan's)."""
+    """Launch through Triton's JIT; return f(stream, packed_ptr, out_ptr) that launches the same
+    again for packed bytes at another address of the same 16-byte alignment (Triton specializes
+    the kernel on it) and another output (a launch plan's)."""
     variant, num_warps, n_bytes, grid = _launch_setup(packed, out.dtype, n_elements, blocksize, blocksize2,
                                                       nested, fp4, overrides)
     args = (packed,) + tuple(tables) + (out, n_elements, n_bytes)
     pointers = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
-    head, out_ptr, tail = pointers[:_OUT_ARG], pointers[_OUT_ARG], pointers[_OUT_ARG + 1:]
+    head, out_ptr, tail = pointers[1:_OUT_ARG], pointers[_OUT_ARG], pointers[_OUT_ARG + 1:]
     if INTERPRET:
         with _INTERPRETER_LOCK:
             _dequantize_4bit_kernel[grid](*args, num_warps=num_warps, **variant)
@@ -639,12 +640,12 @@ def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4,
                                                  **compile_options(variant["USE_ASM"]))
         stream = torch._C._cuda_getCurrentRawStream(out.device.index)
         constexprs = tuple(variant[name] for name in _dequantize_4bit_kernel.arg_names[len(args):])
-        return _kernel_launcher(compiled, grid[0], head, tail + constexprs, stream, out_ptr)
+        return _kernel_launcher(compiled, grid[0], head, tail + constexprs, stream, pointers[0], out_ptr)
 
 
 def _interpreter_launcher(grid, args, num_warps, variant):
-    """f(stream, out_ptr) for CPU tensors: the interpreter's kernel over the recorded addresses
-    (wrapped as tensors again, as the GPU's launch passes them), like the GPU's plans."""
+    """f(stream, packed_ptr, out_ptr) for CPU tensors: the interpreter's kernel over the recorded
+    addresses (wrapped as tensors again, as the GPU's launch passes them), like the GPU's plans."""
     recorded = [(arg.data_ptr(), arg.dtype, arg.numel()) if isinstance(arg, torch.Tensor) else arg for arg in args]
     out_dtype, out_numel = recorded[_OUT_ARG][1:]
 
@@ -652,8 +653,9 @@ def _interpreter_launcher(grid, args, num_warps, variant):
         memory = (ctypes.c_char * (numel * dtype.itemsize)).from_address(address)
         return torch.frombuffer(memory, dtype=dtype, count=numel)
 
-    def launch(stream, out_ptr):
+    def launch(stream, packed_ptr, out_ptr):
         views = [at_address(*arg) if isinstance(arg, tuple) else arg for arg in recorded]
+        views[0] = at_address(packed_ptr, *recorded[0][1:])
         views[_OUT_ARG] = at_address(out_ptr, out_dtype, out_numel)
         with _INTERPRETER_LOCK:
             _dequantize_4bit_kernel[grid](*views, num_warps=num_warps, **variant)
@@ -760,7 +762,7 @@ def _drop_plan(plans, key, plan_ref):
 
 
 class _LaunchPlan:
-    __slots__ = ("key", "state_ref", "packed_ptr", "packed_nbytes", "device", "device_index",
+    __slots__ = ("key", "state_ref", "packed_alignment", "packed_nbytes", "device", "device_index",
                  "device_number",
                  "dtype", "shape", "blocksize", "quant_type", "nested", "blocksize2", "absmax", "code", "absmax2",
                  "code2", "offset", "transpose", "launch_kernel", "__weakref__")
@@ -771,8 +773,10 @@ class _LaunchPlan:
         # module's globals are gone.
         self.state_ref = weakref.ref(qs, lambda _, key=self.key, plan=weakref.ref(self), drop=_drop_plan,
                                      plans=_PLANS: drop(plans, key, plan))
-        # The kernel reads the packed weight as bytes, whatever dtype stores them.
-        self.packed_ptr, self.packed_nbytes = packed.data_ptr(), packed.nbytes
+        # The packed bytes may move (FSDP gathers them into new memory every step): the plan takes
+        # any address of the same 16-byte alignment, on which Triton specialized the kernel and the
+        # word loads depend. The kernel reads them as bytes, whatever dtype stores them.
+        self.packed_alignment, self.packed_nbytes = packed.data_ptr() % 16, packed.nbytes
         self.device, self.device_index = packed.device, packed.device.index
         self.device_number = packed.get_device()  # -1 on the CPU
         self.dtype, self.shape, self.blocksize, self.quant_type = qs.dtype, shape, blocksize, qs.quant_type
@@ -794,9 +798,10 @@ class _LaunchPlan:
             absmax_ptr, absmax_dtype, absmax_numel = self.absmax
             code_ptr, code_dtype, code_numel = self.code
             if not (self.state_ref() is qs
-                    and packed.data_ptr() == self.packed_ptr and packed.nbytes == self.packed_nbytes
+                    and packed.data_ptr() % 16 == self.packed_alignment and packed.nbytes == self.packed_nbytes
                     and packed.is_contiguous()
                     and packed.get_device() == self.device_number
+                    and (self.device_number >= 0 or packed.is_cpu)  # -1: the CPU, or meta
                     and qs.dtype is self.dtype and qs.shape == self.shape and qs.blocksize == self.blocksize
                     and qs.quant_type == self.quant_type and qs.nested == self.nested
                     and absmax.data_ptr() == absmax_ptr and absmax.dtype is absmax_dtype
@@ -821,20 +826,20 @@ class _LaunchPlan:
         except (AttributeError, RuntimeError):  # a field gone, or a tensor with no storage (sparse, meta)
             return False
 
-    def launch(self):
+    def launch(self, packed):
         # size= as a keyword: the positional form goes through torch.empty's varargs overloads,
         # 4.5 against 2.3 us per call on the H100 host (NOTES.md, item 21).
         out = torch.empty(size=self.shape, dtype=self.dtype, device=self.device)
         index = self.device_index
         if index is None:  # CPU tensors: the interpreter
-            self.launch_kernel(0, out.data_ptr())
+            self.launch_kernel(0, packed.data_ptr(), out.data_ptr())
         elif torch._C._cuda_getDevice() == index:
-            self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), out.data_ptr())
+            self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), packed.data_ptr(), out.data_ptr())
         else:  # Triton launches in the current device's context
             current = torch._C._cuda_getDevice()
             torch._C._cuda_setDevice(index)
             try:
-                self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), out.data_ptr())
+                self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), packed.data_ptr(), out.data_ptr())
             finally:
                 torch._C._cuda_setDevice(current)
         return out.t() if self.transpose else out
@@ -856,33 +861,31 @@ class _LaunchRecorder:
         self._forwarded.append(args)
 
 
-def _kernel_launcher(compiled, grid, head, tail, stream, out_ptr):
-    """f(stream, out_ptr): launches ``compiled`` on ``grid`` with the arguments ``head``, ``out_ptr``,
-    ``tail`` (integers), through Triton's C launch function directly where that is safe.
+def _kernel_launcher(compiled, grid, head, tail, stream, packed_ptr, out_ptr):
+    """f(stream, packed_ptr, out_ptr): launches ``compiled`` on ``grid`` with the arguments
+    ``packed_ptr``, ``head``, ``out_ptr``, ``tail`` (integers), through Triton's C launch function
+    directly where that is safe.
 
     Triton's Python launcher (``compiled.run``) prepares scratch buffers per call and then calls
     its C launch function; with no scratch buffers its call is a plain forwarding call, so the
-    arguments it forwards are recorded here and passed straight on: 8.2 to 8.5 us against 9.2 to
-    9.8 us per plan launch on the H100 host, Triton 3.6 (NOTES.md, item 33). Any other shape of
-    call keeps Triton's launcher. ``stream`` and ``out_ptr`` are those of a launch just made: the
-    recording runs the launcher's Python with them, so a launcher that launched by some other
-    route would only repeat that launch."""
+    arguments it forwards are recorded here and passed straight on (NOTES.md, item 33). Any other
+    shape of call keeps Triton's launcher. ``stream``, ``packed_ptr`` and ``out_ptr`` are those of a
+    launch just made: the recording runs the launcher's Python with them, so a launcher that
+    launched by some other route would only repeat that launch."""
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-    direct = _direct_launch(run, grid, function, metadata, head + (out_ptr,) + tail, stream)
+    direct = _direct_launch(run, grid, function, metadata, (packed_ptr,) + head + (out_ptr,) + tail, stream)
     if direct is None:
-        def via_triton(stream, out_ptr):
-            run(grid, 1, 1, stream, function, metadata, None, None, None, *head, out_ptr, *tail)
+        def via_triton(stream, packed_ptr, out_ptr):
+            run(grid, 1, 1, stream, function, metadata, None, None, None, packed_ptr, *head, out_ptr, *tail)
 
         return via_triton
     launch, extras, as_tuple = direct
     if as_tuple:  # Triton 3.9: the kernel's arguments as one tuple
-        def direct(stream, out_ptr):
-            launch(grid, 1, 1, stream, function, *extras, head + (out_ptr,) + tail)
+        def direct(stream, packed_ptr, out_ptr):
+            launch(grid, 1, 1, stream, function, *extras, (packed_ptr, *head, out_ptr, *tail))
     else:  # Triton 3.3 to 3.6: the kernel's arguments spread out
-        fixed = (function, *extras, *head)
-
-        def direct(stream, out_ptr):
-            launch(grid, 1, 1, stream, *fixed, out_ptr, *tail)
+        def direct(stream, packed_ptr, out_ptr):
+            launch(grid, 1, 1, stream, function, *extras, packed_ptr, *head, out_ptr, *tail)
 
     return direct
 

@@ -51,12 +51,14 @@ def save_random_llama(size, folder, seed=0, vocab_size=32000):
     del model
 
 
-def load_4bit(folder, dtype, device_map="cuda:0"):
-    """The saved model in 4-bit NF4 with double quantization, as transformers loads it."""
+def load_4bit(folder, dtype, device_map="cuda:0", quant_storage=torch.uint8):
+    """The saved model in 4-bit NF4 with double quantization, as transformers loads it
+    (``quant_storage``: the dtype of the tensors that hold the packed bytes; FSDP needs the
+    compute dtype there)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                bnb_4bit_compute_dtype=dtype)
+                                bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=quant_storage)
     return AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=dtype,
                                                 device_map=device_map)
 

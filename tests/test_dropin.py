@@ -128,17 +128,29 @@ def test_other_weight_dtype_keeps_bitsandbytes(device, monkeypatch):
     assert_bit_exact(layer(x), expected)
 
 
-def test_lost_quant_state_goes_to_bitsandbytes(device):
-    """A Params4bit that lost its quant state (FSDP's flat parameters): bitsandbytes' forward
-    restores it from the module, as it would without the drop-in."""
-    layer, _, state = linear4bit((96, 64), device=device, seed=6)
-    x = torch.randn(4, 64, dtype=torch.bfloat16, device=device)
-    expected = layer(x)  # bitsandbytes' own
-    dropin.enable(layer)
+def test_state_kept_on_the_module(device):
+    """FSDP replaces a Params4bit with a plain view of its bytes, without its quant state;
+    bitsandbytes keeps the state on the module too. The drop-in reads it there, writes nothing."""
+    layer, packed, state = linear4bit((96, 64), device=device, seed=6)
+    x = torch.randn(ROWS, 64, dtype=torch.bfloat16, device=device)
+    expected = F.linear(x, expected_weight(layer))
+    view = packed.reshape(-1).view(torch.bfloat16).reshape(-1, 1)  # quant_storage=bfloat16, as FSDP QLoRA stores it
+    del layer.weight
+    layer.weight = view
     layer.quant_state = state
-    layer.weight.quant_state = None
+    dropin.enable(layer)
     assert_bit_exact(layer(x), expected)
-    assert layer.weight.quant_state is state
+    assert layer.weight is view and not hasattr(view, "quant_state")
+
+
+def test_no_state_anywhere_goes_to_bitsandbytes(device, monkeypatch):
+    layer, _, _ = linear4bit((96, 64), device=device, seed=6)
+    layer.weight.quant_state = None
+    dropin.enable(layer)
+    seen = []
+    monkeypatch.setattr(dropin, "_previous_forward", lambda module: lambda x: seen.append(1) or x)
+    layer(torch.randn(4, 64, dtype=torch.bfloat16, device=device))
+    assert seen == [1]
 
 
 def test_accelerate_hook_stays_outside(device):

@@ -80,15 +80,16 @@ class SelfCheckingLauncher(Launcher):
 
 
 HEAD, TAIL = (11, 12, 13), (21, 22)
-FIRST = (77, 4096)  # (stream, out_ptr) of the launch the plan is built after
-LATER = (78, 8192)  # a later call's
+FIRST = (77, 1024, 4096)  # (stream, packed_ptr, out_ptr) of the launch the plan is built after
+LATER = (78, 2048, 8192)  # a later call's: the packed bytes moved, another output
 
 
-def launched_by_triton(launcher_type, stream, out_ptr):
+def launched_by_triton(launcher_type, stream, packed_ptr, out_ptr):
     """What the C launch function receives when Triton's launcher itself is called."""
     launcher = launcher_type()
     compiled = Compiled(launcher)
-    launcher(5, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *HEAD, out_ptr, *TAIL)
+    launcher(5, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, packed_ptr, *HEAD,
+             out_ptr, *TAIL)
     return launcher.launched
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import kernel
-from helpers import assert_bit_exact, bit_exact, expected_values, failures_in_threads, linear4bit, quantize
+from helpers import (assert_bit_exact, bit_exact, expected_values, failures_in_threads, linear4bit, offset_copy,
+                     quantize)
 from reference import dequantize_reference
 
 
@@ -102,6 +103,22 @@ def test_every_call_form_notices(form, change, device):
         layer.weight.data = other_packed  # perhaps in the freed memory
         expected = expected_values(other_packed, state)
     assert_bit_exact(call(layer), expected)
+
+
+def test_plan_follows_packed_bytes_that_move(device, monkeypatch):
+    """FSDP gathers a weight's bytes into new memory every step: the plan launches on them where
+    they are now, as long as their 16-byte alignment (which the kernel was compiled for) holds."""
+    packed, state = quantize((128, 256), device=device, seed=33)
+    planned(packed, state)
+    moved = packed.clone()
+    assert moved.data_ptr() != packed.data_ptr() and moved.data_ptr() % 16 == packed.data_ptr() % 16
+    with monkeypatch.context() as patch:
+        patch.setattr(kernel, "_dequantize", lambda *args, **kwargs: pytest.fail("the plan was not used"))
+        assert_bit_exact(kernel.dequantize_nf4(moved, state), expected_values(packed, state))
+        moved.copy_(quantize((128, 256), device=device, seed=34)[0])
+        assert_bit_exact(kernel.dequantize_nf4(moved, state), expected_values(moved, state))
+    misaligned = offset_copy(packed, 4)  # word-aligned, not 16-byte aligned: validated again
+    assert_bit_exact(kernel.dequantize_nf4(misaligned, state), expected_values(packed, state))
 
 
 # ---- state changes after a plan was made -------------------------------------------------------
@@ -262,7 +279,7 @@ def test_plan_on_the_weights_device_only(device):
         """The planned weight's address and size, on another device."""
 
         nbytes, is_contiguous = plan.packed_nbytes, staticmethod(lambda: True)
-        data_ptr = staticmethod(lambda: plan.packed_ptr)
+        data_ptr = staticmethod(lambda: 16 * 4096 + plan.packed_alignment)
         get_device = staticmethod(lambda: plan.device_number + 1)
 
     assert plan.matches(packed, state)

@@ -1,0 +1,60 @@
+"""fsdp_qlora.py: its arguments and loss comparison on the CPU; the two-GPU run itself where two
+GPUs are present (a short run: every frozen shard unchanged, no stale plan, plans bounded)."""
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fsdp_qlora
+
+
+def test_arguments():
+    args = fsdp_qlora.parse_args([])
+    assert args.sizes == ["2048x5632x4", "4096x14336x2"] and args.steps == 20 and args.plan_steps == 1000
+    assert fsdp_qlora.parse_args(["--sizes", "4096x14336x2", "--steps", "3"]).sizes == ["4096x14336x2"]
+
+
+@pytest.mark.parametrize("argv", [["--sizes", "7b"], ["--steps", "1"], ["--plan-steps", "-1"]])
+def test_bad_arguments(argv):
+    with pytest.raises(SystemExit):
+        fsdp_qlora.parse_args(argv)
+
+
+def test_compare_losses():
+    assert fsdp_qlora.compare_losses([2.5, 2.25], [2.5, 2.25]) == (True, 0.0, None)
+    assert fsdp_qlora.compare_losses([2.5, 2.25, 2.0], [2.5, 2.5, 2.0]) == (False, 0.25, 1)
+    with pytest.raises(ValueError, match="2 against 1 steps"):
+        fsdp_qlora.compare_losses([1.0, 2.0], [1.0])
+
+
+def test_own_shard():
+    """A unit left unsharded after training: each rank compares its own part."""
+    flat = torch.arange(12.0)
+    assert torch.equal(fsdp_qlora.own_shard(flat[4:8], flat[4:8], 1), flat[4:8])
+    assert torch.equal(fsdp_qlora.own_shard(flat, flat[4:8].clone(), 1), flat[4:8])
+    assert torch.equal(fsdp_qlora.own_shard(flat, flat[8:].clone(), 2), flat[8:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpu_run(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    torchrun = shutil.which("torchrun") or [sys.executable, "-m", "torch.distributed.run"]
+    command = ([torchrun] if isinstance(torchrun, str) else torchrun) + [
+        "--nproc_per_node", "2", os.path.join(root, "fsdp_qlora.py"), "--sizes", "2048x5632x4", "--steps", "3",
+        "--plan-steps", "5", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    (folder,) = [os.path.join(tmp_path, name) for name in os.listdir(tmp_path)]
+    rows = list(csv.DictReader(open(os.path.join(folder, "fsdp.csv"))))
+    assert {row["implementation"] for row in rows} == {"bitsandbytes", "nf4-triton", "bitsandbytes (again)"}
+    assert all(row["frozen_shards_unchanged"] == "True" for row in rows)
+    ours = next(row for row in rows if row["implementation"] == "nf4-triton")
+    assert ours["stale_results"] == "0 0"
+    layers = 4 * 7  # one plan per quant state: the model's Linear4bit layers, at most
+    assert all(int(count) <= layers for count in ours["most_live_plans"].split())
