@@ -1,3 +1,4 @@
+import logging
 import os
 import sys
 
@@ -8,6 +9,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 HAS_CUDA = torch.cuda.is_available()
+
+# bitsandbytes warns at import, on CPUs with AVX512-BF16, that its optional CPU matmul package is
+# missing; nothing here uses it (bench.quiet_bitsandbytes_cpu_notice).
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def pytest_configure(config):
