@@ -620,6 +620,12 @@ def _launch_setup(packed, dtype, n_elements, blocksize, blocksize2, nested, fp4,
 _INTERPRETER_LOCK = threading.Lock()
 
 
+def _interpret(grid, args, num_warps, variant):
+    """The kernel through Triton's interpreter (CPU tensors), one launch at a time."""
+    with _INTERPRETER_LOCK:
+        _dequantize_4bit_kernel[grid](*args, num_warps=num_warps, **variant)
+
+
 def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4, **overrides):
     """Launch through Triton's JIT; return f(stream, packed_ptr, out_ptr) that launches the same
     again for packed bytes at another address of the same 16-byte alignment (Triton specializes
@@ -630,8 +636,7 @@ def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4,
     pointers = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
     head, out_ptr, tail = pointers[1:_OUT_ARG], pointers[_OUT_ARG], pointers[_OUT_ARG + 1:]
     if INTERPRET:
-        with _INTERPRETER_LOCK:
-            _dequantize_4bit_kernel[grid](*args, num_warps=num_warps, **variant)
+        _interpret(grid, args, num_warps, variant)
         return _interpreter_launcher(grid, args, num_warps, variant)
     # Triton launches on the current device: switch only when the weight lives on another one.
     switch = out.device.index != torch.cuda.current_device()
@@ -657,8 +662,7 @@ def _interpreter_launcher(grid, args, num_warps, variant):
         views = [at_address(*arg) if isinstance(arg, tuple) else arg for arg in recorded]
         views[0] = at_address(packed_ptr, *recorded[0][1:])
         views[_OUT_ARG] = at_address(out_ptr, out_dtype, out_numel)
-        with _INTERPRETER_LOCK:
-            _dequantize_4bit_kernel[grid](*views, num_warps=num_warps, **variant)
+        _interpret(grid, views, num_warps, variant)
 
     return launch
 
@@ -701,8 +705,7 @@ def _dequantize_op(
                                                       nested, fp4, {})
     args = (packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes)
     if INTERPRET:  # the interpreter's kernel is launched as it is (older torch refuses to wrap it)
-        with _INTERPRETER_LOCK:
-            _dequantize_4bit_kernel[grid](*args, num_warps=num_warps, **variant)
+        _interpret(grid, args, num_warps, variant)
     else:
         # Inside a graph the inline-PTX path is used whenever it exists, so no compile option is
         # needed to keep the scale free of FMAs (wrap_triton passes no compile options).
@@ -729,9 +732,10 @@ else:
 # Launch plans: the per-call fast path
 # --------------------------------------------------------------------------------------------
 # A validated call leaves a plan keyed by id(quant_state), one per state. The next call with that
-# state checks that nothing the launch read changed: the state is the same object; the packed
-# weight and every table have the address, dtype and size recorded (a table rebound, `.data`
-# replaced, `set_` or `resize_` all show there); the state's scalars are equal. Then it allocates
+# state checks that nothing the launch read changed: the state is the same object; every table has
+# the address, dtype and size recorded (a table rebound, `.data` replaced, `set_` or `resize_` all
+# show there); the packed weight has the byte count, 16-byte alignment and device recorded (its
+# address is passed at launch); the state's scalars are equal. Then it allocates
 # the output and launches the compiled kernel directly, on the weight's device whichever is
 # current, skipping validation and Triton's argument binding. The kernel reads the bytes on every
 # call, so a weight re-quantized in place is served fresh; anything else takes the validating
@@ -830,16 +834,16 @@ class _LaunchPlan:
         # size= as a keyword: the positional form goes through torch.empty's varargs overloads,
         # 4.5 against 2.3 us per call on the H100 host (NOTES.md, item 21).
         out = torch.empty(size=self.shape, dtype=self.dtype, device=self.device)
-        index = self.device_index
+        index, packed_ptr, out_ptr = self.device_index, packed.data_ptr(), out.data_ptr()
         if index is None:  # CPU tensors: the interpreter
-            self.launch_kernel(0, packed.data_ptr(), out.data_ptr())
+            self.launch_kernel(0, packed_ptr, out_ptr)
         elif torch._C._cuda_getDevice() == index:
-            self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), packed.data_ptr(), out.data_ptr())
+            self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), packed_ptr, out_ptr)
         else:  # Triton launches in the current device's context
             current = torch._C._cuda_getDevice()
             torch._C._cuda_setDevice(index)
             try:
-                self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), packed.data_ptr(), out.data_ptr())
+                self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), packed_ptr, out_ptr)
             finally:
                 torch._C._cuda_setDevice(current)
         return out.t() if self.transpose else out

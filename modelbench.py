@@ -12,7 +12,6 @@ section runs it.
 
 import contextlib
 import os
-import statistics
 import tempfile
 import time
 
@@ -152,13 +151,13 @@ def train_step_fn(model, optimizer, batch, seq, vocab_size):
 
 
 def row(meta, kind, size, dtype_name, tokens, implementation, seconds, peaks, share, **extra):
-    median = statistics.median(seconds)
-    ordered = sorted(seconds)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]  # noqa: E731
+    import bench
+
+    median, p20, p80 = bench.summarize(seconds)
     n_tokens = tokens[0] * tokens[1]
     return dict(meta, kind=kind, model=size, dtype=dtype_name, tokens=f"{tokens[0]}x{tokens[1]}",
-                implementation=implementation, median_ms=median * 1e3, p20_ms=pick(0.2) * 1e3,
-                p80_ms=pick(0.8) * 1e3, tokens_per_s=n_tokens / median, peak_mib=max(peaks) / 2**20,
+                implementation=implementation, median_ms=median * 1e3, p20_ms=p20 * 1e3,
+                p80_ms=p80 * 1e3, tokens_per_s=n_tokens / median, peak_mib=max(peaks) / 2**20,
                 dequant_share=share, **extra)
 
 
