@@ -683,10 +683,12 @@ def plot(folder):
             timing = "do_bench" if kind == "kernel" else "GPU time, profiler"
             ax.set_title(f"{dtype}: % of device copy bandwidth ({timing})")
             ax.set_ylabel("% of copy roofline")
-            ax.legend(fontsize=8)
+            ax.get_legend().remove()  # one legend below the panels: inside one it covers the small shapes' bars
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
         fig.suptitle(f"{meta['gpu']} | torch {meta['torch_version']} | triton {meta['triton_version']} | "
                      f"bnb {meta['bitsandbytes_version']} | unsloth {meta['unsloth_version']}", fontsize=9)
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.04, 1, 1))
         written.append(os.path.join(folder, "kernel_roofline.png"))
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)

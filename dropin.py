@@ -11,7 +11,8 @@ two (as bitsandbytes does). With the same W, both are bitsandbytes' own arithmet
 (``F.linear`` forward, ``matmul(grad, W)`` backward), so logits and input gradients are
 bit-exact wherever bitsandbytes dequantizes too. Where bitsandbytes computes an inference input
 with its own fused 4-bit matmul (a few tokens: its GEMV and small-batch kernels, chosen by its
-own per-GPU rule), that path is kept: it is faster there and its arithmetic differs.
+own per-GPU rule), that op is kept: it is faster there and its arithmetic differs. It is called
+with the arguments bitsandbytes' forward passes it (the same bits), without that forward's Python.
 """
 
 import functools
@@ -74,27 +75,31 @@ def is_enabled(module):
     return _ROUTE in module.__dict__
 
 
-def _previous_forward(module):
-    name, previous, _ = module.__dict__[_ROUTE]
-    return previous if previous is not None else types.MethodType(type(module).forward, module)
+def _previous_forward(module, x, *args, **kwargs):
+    """The forward the layer had before ``enable``, called on ``x``."""
+    _, previous, _ = module.__dict__[_ROUTE]
+    if previous is None:
+        return type(module).forward(module, x, *args, **kwargs)
+    return previous(x, *args, **kwargs)
 
 
 @functools.cache
 def _bitsandbytes_rule():
     """bitsandbytes' choice between its fused 4-bit matmul and dequantize + matmul: (largest row
-    count it fuses, f(device index, dtype, rows, out features, in features)), or None where this
-    bitsandbytes has no such rule (its GEMV then serves one row)."""
+    count it fuses, f(device index, dtype, rows, out features, in features), the fused op), or None
+    where this bitsandbytes has no such rule (its GEMV then serves one row)."""
     try:
         from bitsandbytes.backends.cuda import ops
 
-        return ops._gemm_4bit_custom_max_m, ops._gemm_4bit_use_custom_fn
+        return ops._gemm_4bit_custom_max_m, ops._gemm_4bit_use_custom_fn, torch.ops.bitsandbytes.gemm_4bit.default
     except (ImportError, AttributeError):
         return None
 
 
-def _bitsandbytes_fused_kernel(x, quant_state):
-    """Whether bitsandbytes computes ``x`` (no gradient) with its fused 4-bit matmul rather than
-    by dequantizing: its own rule, calibrated per GPU against its dequantize + matmul."""
+def _bitsandbytes_fused_kernel(x, dtype, quant_state):
+    """Whether bitsandbytes computes ``x`` (no gradient, computed in ``dtype``) with its fused
+    4-bit matmul rather than by dequantizing: its own rule, calibrated per GPU against its
+    dequantize + matmul."""
     if not x.is_cuda or x.dim() == 0:
         return False
     k = x.shape[-1]
@@ -102,14 +107,15 @@ def _bitsandbytes_fused_kernel(x, quant_state):
     rule = _bitsandbytes_rule()
     if rule is None:
         return m == 1
-    max_rows, fused = rule
+    max_rows, fused, _ = rule
     if m > max_rows or k % quant_state.blocksize:
         return False
-    return fused(x.device.index, x.dtype, m, quant_state.shape[0], k)
+    return fused(x.device.index, dtype, m, quant_state.shape[0], k)
 
 
 def _routed_forward(module, x, *args, **kwargs):
-    """Linear4bit.forward with the weight dequantized by the kernel (see the module docstring)."""
+    """Linear4bit.forward with the weight dequantized by the kernel (see the module docstring).
+    The checks that hand a call back to bitsandbytes come first: they cost every one-token call."""
     weight = module.weight
     quant_state = getattr(weight, "quant_state", None)
     if quant_state is None:
@@ -117,22 +123,49 @@ def _routed_forward(module, x, *args, **kwargs):
         # keeps the state on the module too (its own forward wraps the view again, we only read it).
         quant_state = getattr(module, "quant_state", None)
     if quant_state is None or args or kwargs:
-        return _previous_forward(module)(x, *args, **kwargs)
+        return _previous_forward(module, x, *args, **kwargs)
     if not module.compute_type_is_set:  # what bitsandbytes' forward does on its first call
         module.set_compute_type(x)
         module.compute_type_is_set = True
-    compute_x = x if module.compute_dtype is None else x.to(module.compute_dtype)
+    dtype = module.compute_dtype or x.dtype
     bias = module.bias
-    if bias is not None:
-        bias = bias.to(compute_x.dtype)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-    if (quant_state.dtype != compute_x.dtype  # bitsandbytes dequantizes straight to x's dtype: one rounding
-            or (not needs_grad and not torch.compiler.is_compiling()
-                and _bitsandbytes_fused_kernel(compute_x, quant_state))):
-        return _previous_forward(module)(x)
+    fused = not needs_grad and not torch.compiler.is_compiling() and _bitsandbytes_fused_kernel(x, dtype, quant_state)
+    if quant_state.dtype is not dtype and not fused:  # bitsandbytes dequantizes straight to x's dtype: one rounding
+        return _previous_forward(module, x)
+    compute_x = x if x.dtype is dtype else x.to(dtype)
+    if bias is not None and bias.dtype is not dtype:
+        bias = bias.to(dtype)
     packed, quant_state = kernel._resolve(weight, quant_state)
+    if fused:
+        y = _bitsandbytes_fused_matmul(compute_x, packed, quant_state, bias)
+        if y is None:
+            return _previous_forward(module, x)
+        return y if y.dtype is x.dtype else y.to(x.dtype)
     dequantize = module.__dict__[_ROUTE][2]
-    return _DequantizedLinear.apply(compute_x, packed, quant_state, bias, dequantize).to(x.dtype)
+    if needs_grad:
+        y = _DequantizedLinear.apply(compute_x, packed, quant_state, bias, dequantize)
+    else:  # no graph to record: the autograd Function's bookkeeping would be host time alone
+        y = F.linear(compute_x, dequantize(packed, quant_state), bias)
+    return y if y.dtype is x.dtype else y.to(x.dtype)
+
+
+def _bitsandbytes_fused_matmul(x, packed, quant_state, bias):
+    """bitsandbytes' fused 4-bit matmul op with the arguments its ``matmul_4bit`` passes for an
+    input without gradient (so the same bits), skipping its Linear4bit forward's Python; None
+    where that forward must run (no such op, an empty input, a layout it refuses)."""
+    rule = _bitsandbytes_rule()
+    if rule is None or x.numel() == 0 or len(quant_state.shape) != 2 or x.shape[-1] != quant_state.shape[1]:
+        return None
+    op, packed = rule[2], packed.view(-1, 1)
+    if not quant_state.nested:
+        return op(x, packed, quant_state.shape, quant_state.absmax, quant_state.blocksize,
+                          quant_state.quant_type, bias=bias)
+    if quant_state.state2.blocksize != 256:
+        return None
+    return op(x, packed, quant_state.shape, quant_state.state2.absmax, quant_state.blocksize,
+                      quant_state.quant_type, bias=bias, absmax_8bit=quant_state.absmax,
+                      absmax_code=quant_state.state2.code, absmax_offset=quant_state.offset)
 
 
 class _DequantizedLinear(torch.autograd.Function):

@@ -98,13 +98,21 @@ class CheckedDequantize:
         return got
 
 
-def own_shard(flat, shard, rank):
-    """This rank's part of a flat parameter. FSDP1 reshards a unit after backward from a hook on
-    its gradient, which a unit of frozen parameters never gets: after training such a unit may
-    still hold the whole (padded) flat parameter, every rank's shard in rank order."""
-    if flat.numel() == shard.numel():
-        return flat
-    return flat.reshape(-1)[rank * shard.numel():(rank + 1) * shard.numel()].view_as(shard)
+def frozen_weights(model):
+    """The bytes of every parameter outside the LoRA adapters, each whole: FSDP gathers every
+    rank's shard. Bytes, not values: packed 4-bit weights stored as bf16 hold NaN patterns."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+        return {name: p.detach().contiguous().view(torch.uint8).clone()
+                for name, p in model.named_parameters() if "lora_" not in name}
+
+
+def changed_weights(before, after):
+    """Names of the weights whose bytes changed, went missing (``-``) or appeared (``+``)."""
+    changed = [name for name in before if name in after and not torch.equal(before[name], after[name])]
+    return changed + [f"-{name}" for name in before if name not in after] + [
+        f"+{name}" for name in after if name not in before]
 
 
 def train(folder, contender, steps, rank, world, plan_steps=0):
@@ -120,7 +128,7 @@ def train(folder, contender, steps, rank, world, plan_steps=0):
     model = wrap(model)
     if contender != "bitsandbytes":
         dropin.enable(model)
-    frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
+    frozen = frozen_weights(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     vocab = modelbench.llama_config(modelbench_size(folder)).vocab_size
@@ -147,12 +155,9 @@ def train(folder, contender, steps, rank, world, plan_steps=0):
     # Peak above what the wrapped model, its optimizer and the batch held before the first step.
     record = dict(losses=losses, grads=grads, peak_mib=(torch.cuda.max_memory_allocated() - start_bytes) / 2**20,
                   step_ms=median * 1e3, step_ms_p20=p20 * 1e3, step_ms_p80=p80 * 1e3)
-    after = dict(model.named_parameters())
-    changed = [name for name, before in frozen.items() if name not in after or not torch.equal(before, own_shard(
-        after[name].detach(), before, rank))]
-    added = [name for name, p in after.items() if name not in frozen and not p.requires_grad]
+    changed = changed_weights(frozen, frozen_weights(model))
     record["shards_unchanged"] = not changed
-    record["frozen_changed_or_added"] = " ".join(changed + [f"+{name}" for name in added])
+    record["frozen_changed_or_added"] = " ".join(changed)
     if plan_steps:
         checked = CheckedDequantize()
         dropin.disable(model)

@@ -267,10 +267,8 @@ LAUNCH_CONFIGS = {
 }
 DEFAULT_LAUNCH_CONFIG = ((0, 1024, 4, False),)
 # Triton 3.3.1's compiler aborts on the shared-memory gathers (an assertion in
-# OptimizeThreadLocality). 3.4.0, 3.5.1, 3.6 and 3.9 compile them ahead of time (the three tiles, every
-# dtype, format and load width, sm_75 to sm_90), but they have run on a GPU only under 3.6, so the
-# gate stays there.
-TRITON_COMPILES_SHARED_TABLES = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6)
+# OptimizeThreadLocality); from 3.4 they compile and run bit-exact on the GPU (README, Triton versions).
+TRITON_COMPILES_SHARED_TABLES = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 4)
 _launch_override = None
 
 
@@ -743,6 +741,14 @@ else:
 _PLANS = {}
 _OUT_ARG = 6  # position of out_ptr in the kernel's arguments
 
+# Inductor's allocation entry: an empty CUDA tensor on the current device, past torch.empty's
+# dispatcher (2.1 against 5.0 us per call on the H100 host, NOTES.md item 57).
+try:
+    from torch._C._dynamo.guards import _empty_strided_cuda as _empty_cuda
+except ImportError:
+    def _empty_cuda(size, strides, dtype):
+        return torch.empty_strided(size, strides, dtype=dtype, device="cuda")
+
 
 if hasattr(triton, "knobs"):  # Triton >= 3.4: the hooks are HookChain objects (or a function)
     _RUNTIME_KNOBS = triton.knobs.runtime
@@ -766,10 +772,8 @@ def _drop_plan(plans, key, plan_ref):
 
 
 class _LaunchPlan:
-    __slots__ = ("key", "state_ref", "packed_alignment", "packed_nbytes", "device", "device_index",
-                 "device_number",
-                 "dtype", "shape", "blocksize", "quant_type", "nested", "blocksize2", "absmax", "code", "absmax2",
-                 "code2", "offset", "transpose", "launch_kernel", "__weakref__")
+    __slots__ = ("key", "state_ref", "device", "device_index", "dtype", "shape", "size", "strides", "facts", "nested",
+                 "nested_facts", "offset", "transpose", "launch_kernel", "__weakref__")
 
     def __init__(self, packed, qs, shape, blocksize, blocksize2, nested, transpose, tables, launch_kernel):
         self.key = id(qs)
@@ -780,16 +784,21 @@ class _LaunchPlan:
         # The packed bytes may move (FSDP gathers them into new memory every step): the plan takes
         # any address of the same 16-byte alignment, on which Triton specialized the kernel and the
         # word loads depend. The kernel reads them as bytes, whatever dtype stores them.
-        self.packed_alignment, self.packed_nbytes = packed.data_ptr() % 16, packed.nbytes
         self.device, self.device_index = packed.device, packed.device.index
-        self.device_number = packed.get_device()  # -1 on the CPU
-        self.dtype, self.shape, self.blocksize, self.quant_type = qs.dtype, shape, blocksize, qs.quant_type
-        self.nested, self.blocksize2 = nested, blocksize2
-        # (address, dtype, size) of each table as launched; an offset given as a float as its value.
-        absmax, code, absmax2, code2, offset = ((t.data_ptr(), t.dtype, t.numel()) for t in tables)
-        self.absmax, self.code = absmax, code
-        self.absmax2, self.code2 = (absmax2, code2) if nested else (None, None)
-        self.offset = (offset if isinstance(qs.offset, torch.Tensor) else qs.offset) if nested else None
+        self.dtype, self.shape, self.nested = qs.dtype, shape, nested
+        self.size, self.strides = tuple(shape), torch.empty(shape, device="meta").stride()  # contiguous
+        # What `matches` compares, in its order: the packed weight's alignment, byte count,
+        # contiguity and device (-1: the CPU); the state's fields; (address, dtype, size) of each
+        # table as launched.
+        absmax, code, absmax2, code2, offset = tables
+        self.facts = (packed.data_ptr() % 16, packed.nbytes, True, packed.get_device(),
+                      qs.dtype, shape, blocksize, qs.quant_type, nested,
+                      absmax.data_ptr(), absmax.dtype, absmax.numel(), code.data_ptr(), code.dtype, code.numel())
+        self.nested_facts = ((blocksize2, absmax2.data_ptr(), absmax2.dtype, absmax2.numel(),
+                              code2.data_ptr(), code2.dtype, code2.numel()) if nested else None)
+        # An offset given as a float: its value; as a tensor: its (address, dtype, size).
+        self.offset = ((offset.data_ptr(), offset.dtype, offset.numel()) if isinstance(qs.offset, torch.Tensor)
+                       else qs.offset) if nested else None
         self.transpose, self.launch_kernel = transpose, launch_kernel
 
     def keep(self):
@@ -799,30 +808,20 @@ class _LaunchPlan:
         """Whether this plan's launch is the validated call's for (packed, qs)."""
         try:
             absmax, code = qs.absmax, qs.code
-            absmax_ptr, absmax_dtype, absmax_numel = self.absmax
-            code_ptr, code_dtype, code_numel = self.code
-            if not (self.state_ref() is qs
-                    and packed.data_ptr() % 16 == self.packed_alignment and packed.nbytes == self.packed_nbytes
-                    and packed.is_contiguous()
-                    and packed.get_device() == self.device_number
-                    and (self.device_number >= 0 or packed.is_cpu)  # -1: the CPU, or meta
-                    and qs.dtype is self.dtype and qs.shape == self.shape and qs.blocksize == self.blocksize
-                    and qs.quant_type == self.quant_type and qs.nested == self.nested
-                    and absmax.data_ptr() == absmax_ptr and absmax.dtype is absmax_dtype
-                    and absmax.numel() == absmax_numel
-                    and code.data_ptr() == code_ptr and code.dtype is code_dtype and code.numel() == code_numel
-                    and not _launch_hooks_active()):
+            if (self.state_ref() is not qs
+                    or (packed.data_ptr() % 16, packed.nbytes, packed.is_contiguous(), packed.get_device(),
+                        qs.dtype, qs.shape, qs.blocksize, qs.quant_type, qs.nested,
+                        absmax.data_ptr(), absmax.dtype, absmax.numel(),
+                        code.data_ptr(), code.dtype, code.numel()) != self.facts
+                    or (self.device_index is None and not packed.is_cpu)  # get_device() is -1 for meta too
+                    or _launch_hooks_active()):
                 return False
             if not self.nested:
                 return True
             state2, offset = qs.state2, qs.offset
             absmax2, code2 = state2.absmax, state2.code
-            absmax2_ptr, absmax2_dtype, absmax2_numel = self.absmax2
-            code2_ptr, code2_dtype, code2_numel = self.code2
-            if not (state2.blocksize == self.blocksize2
-                    and absmax2.data_ptr() == absmax2_ptr and absmax2.dtype is absmax2_dtype
-                    and absmax2.numel() == absmax2_numel
-                    and code2.data_ptr() == code2_ptr and code2.dtype is code2_dtype and code2.numel() == code2_numel):
+            if (state2.blocksize, absmax2.data_ptr(), absmax2.dtype, absmax2.numel(),
+                    code2.data_ptr(), code2.dtype, code2.numel()) != self.nested_facts:
                 return False
             if isinstance(offset, torch.Tensor):
                 return (offset.data_ptr(), offset.dtype, offset.numel()) == self.offset
@@ -831,19 +830,19 @@ class _LaunchPlan:
             return False
 
     def launch(self, packed):
-        # size= as a keyword: the positional form goes through torch.empty's varargs overloads,
-        # 4.5 against 2.3 us per call on the H100 host (NOTES.md, item 21).
-        out = torch.empty(size=self.shape, dtype=self.dtype, device=self.device)
-        index, packed_ptr, out_ptr = self.device_index, packed.data_ptr(), out.data_ptr()
+        index, packed_ptr = self.device_index, packed.data_ptr()
         if index is None:  # CPU tensors: the interpreter
-            self.launch_kernel(0, packed_ptr, out_ptr)
+            out = torch.empty(size=self.shape, dtype=self.dtype, device=self.device)
+            self.launch_kernel(0, packed_ptr, out.data_ptr())
         elif torch._C._cuda_getDevice() == index:
-            self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), packed_ptr, out_ptr)
-        else:  # Triton launches in the current device's context
+            out = _empty_cuda(self.size, self.strides, self.dtype)
+            self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), packed_ptr, out.data_ptr())
+        else:  # Triton launches, and the allocator allocates, on the current device
             current = torch._C._cuda_getDevice()
             torch._C._cuda_setDevice(index)
             try:
-                self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), packed_ptr, out_ptr)
+                out = _empty_cuda(self.size, self.strides, self.dtype)
+                self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), packed_ptr, out.data_ptr())
             finally:
                 torch._C._cuda_setDevice(current)
         return out.t() if self.transpose else out
@@ -884,12 +883,14 @@ def _kernel_launcher(compiled, grid, head, tail, stream, packed_ptr, out_ptr):
 
         return via_triton
     launch, extras, as_tuple = direct
-    if as_tuple:  # Triton 3.9: the kernel's arguments as one tuple
-        def direct(stream, packed_ptr, out_ptr):
+    if as_tuple:  # Triton 3.7 to 3.9: the kernel's arguments as one tuple
+        def direct_as_tuple(stream, packed_ptr, out_ptr):
             launch(grid, 1, 1, stream, function, *extras, (packed_ptr, *head, out_ptr, *tail))
-    else:  # Triton 3.3 to 3.6: the kernel's arguments spread out
-        def direct(stream, packed_ptr, out_ptr):
-            launch(grid, 1, 1, stream, function, *extras, packed_ptr, *head, out_ptr, *tail)
+
+        return direct_as_tuple
+
+    def direct(stream, packed_ptr, out_ptr):  # Triton 3.3 to 3.6: the kernel's arguments spread out
+        launch(grid, 1, 1, stream, function, *extras, packed_ptr, *head, out_ptr, *tail)
 
     return direct
 

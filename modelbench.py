@@ -107,8 +107,10 @@ def timed(fn, calls):
     return (time.perf_counter() - start) / calls, torch.cuda.max_memory_allocated()
 
 
-def dequantize_share(fn, calls=3):
-    """Share of the GPU's kernel time that dequantization kernels take (profiler)."""
+def kernel_time(fn, calls=3):
+    """(GPU kernel time per call of ``fn`` in ms, the share of it dequantization kernels take),
+    from the profiler. Against a call's wall time, the first says whether the GPU or the host
+    bounds it; the second bounds what a faster dequantization can gain."""
     from torch.profiler import ProfilerActivity, profile
 
     os.environ.setdefault("TEARDOWN_CUPTI", "1")
@@ -124,7 +126,7 @@ def dequantize_share(fn, calls=3):
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.time_range.elapsed_us() for e in kernels)
     dequant = sum(e.time_range.elapsed_us() for e in kernels if "dequant" in e.name.lower())
-    return dequant / total if total else 0.0
+    return total / calls / 1e3, (dequant / total if total else 0.0)
 
 
 def prefill_fn(model, batch, seq, vocab_size):
@@ -150,7 +152,7 @@ def train_step_fn(model, optimizer, batch, seq, vocab_size):
     return step
 
 
-def row(meta, kind, size, dtype_name, tokens, implementation, seconds, peaks, share, **extra):
+def row(meta, kind, size, dtype_name, tokens, implementation, seconds, peaks, profile, **extra):
     import bench
 
     median, p20, p80 = bench.summarize(seconds)
@@ -158,7 +160,7 @@ def row(meta, kind, size, dtype_name, tokens, implementation, seconds, peaks, sh
     return dict(meta, kind=kind, model=size, dtype=dtype_name, tokens=f"{tokens[0]}x{tokens[1]}",
                 implementation=implementation, median_ms=median * 1e3, p20_ms=p20 * 1e3,
                 p80_ms=p80 * 1e3, tokens_per_s=n_tokens / median, peak_mib=max(peaks) / 2**20,
-                dequant_share=share, **extra)
+                gpu_ms=profile[0], dequant_share=profile[1], **extra)
 
 
 def bench_prefill(model, size, dtype_name, rounds, functions, meta, log):
@@ -178,13 +180,13 @@ def bench_prefill(model, size, dtype_name, rounds, functions, meta, log):
         for name in functions:
             route(model, name, functions)
             logits[name] = prefill()
-            share = dequantize_share(prefill)
+            profile = kernel_time(prefill)
             same = torch.equal(logits[name], logits["bitsandbytes"])
-            rows.append(row(meta, "prefill", size, dtype_name, tokens, name, *samples[name], share,
+            rows.append(row(meta, "prefill", size, dtype_name, tokens, name, *samples[name], profile,
                             logits_equal_bitsandbytes=same))
         route(model, "bitsandbytes", functions)
         log(f"prefill {size} {dtype_name} {tokens[0]}x{tokens[1]}: " + ", ".join(
-            f"{r['implementation']} {r['median_ms']:.2f} ms" for r in rows[-len(functions):]))
+            f"{r['implementation']} {r['median_ms']:.2f} ms (GPU {r['gpu_ms']:.2f})" for r in rows[-len(functions):]))
     return rows
 
 
@@ -225,10 +227,10 @@ def bench_train(model, size, dtype_name, rounds, functions, meta, log):
         reference_loss, reference_grads = loss_and_grads("bitsandbytes")
         for name in functions:
             loss, grads = loss_and_grads(name)
-            share = dequantize_share(step, calls=2)
+            profile = kernel_time(step, calls=2)
             largest = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference_grads))
             rows.append(row(meta, "qlora-step-checkpointed" if checkpointing else "qlora-step", size, dtype_name,
-                            TRAIN_TOKENS, name, *samples[name], share,
+                            TRAIN_TOKENS, name, *samples[name], profile,
                             loss_equal_bitsandbytes=torch.equal(loss, reference_loss),
                             lora_grads_equal_bitsandbytes=all(map(torch.equal, grads, reference_grads)),
                             lora_grad_max_diff=largest))
@@ -236,7 +238,8 @@ def bench_train(model, size, dtype_name, rounds, functions, meta, log):
             p.data.copy_(start)
         route(model, "bitsandbytes", functions)
         log(f"qlora step {size} {dtype_name} checkpointing={checkpointing}: " + ", ".join(
-            f"{r['implementation']} {r['median_ms']:.1f} ms {r['peak_mib']:.0f} MiB" for r in rows[-len(functions):]))
+            f"{r['implementation']} {r['median_ms']:.1f} ms (GPU {r['gpu_ms']:.1f}) {r['peak_mib']:.0f} MiB"
+            for r in rows[-len(functions):]))
     model.gradient_checkpointing_disable()
     model.eval()
     return rows
@@ -264,7 +267,7 @@ def bench_crossover(model, size, dtype_name, meta, log):
             with torch.inference_mode():
                 times = {name: triton.testing.do_bench(fn, warmup=10, rep=40, quantiles=[0.5, 0.2, 0.8])
                          for name, fn in fns.items()}
-                fused = dropin._bitsandbytes_fused_kernel(x, state)
+                fused = dropin._bitsandbytes_fused_kernel(x, state.dtype, state)
             for name, (median, p20, p80) in times.items():
                 rows.append(dict(meta, kind="crossover", model=size, dtype=dtype_name, tokens=str(m),
                                  implementation=name, median_ms=median, p20_ms=p20, p80_ms=p80,

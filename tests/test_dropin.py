@@ -35,6 +35,15 @@ def expected_weight(layer):
     return expected_values(layer.weight.data, layer.weight.quant_state)
 
 
+def counted(calls):
+    """The kernel's dequantize, appending to ``calls`` each time the drop-in uses it."""
+    def dequantize(packed, state):
+        calls.append(1)
+        return kernel.dequantize_nf4(packed, state)
+
+    return dequantize
+
+
 def test_enable_and_disable(device):
     model = TwoLayers(device, torch.bfloat16)
     before = [snapshot(layer.weight.data, layer.weight.quant_state) for layer in (model.up, model.down)]
@@ -114,18 +123,17 @@ def test_model_equals_unrouted_arithmetic(device):
     assert_bit_exact(model(x), dense(x))
 
 
-def test_other_weight_dtype_keeps_bitsandbytes(device, monkeypatch):
+def test_other_weight_dtype_keeps_bitsandbytes(device):
     """A state whose dtype is not the compute dtype: bitsandbytes dequantizes straight to the
     compute dtype (one rounding), so its own forward is kept."""
     layer, _, state = linear4bit((96, 64), dtype=torch.float32, device=device, seed=5)
     layer.compute_dtype = torch.bfloat16
-    dropin.enable(layer)
-    monkeypatch.setattr(dropin._DequantizedLinear, "apply", lambda *args: pytest.fail("routed"))
     x = torch.randn(4, 64, dtype=torch.bfloat16, device=device)
-    dropin.disable(layer)
     expected = layer(x)
-    dropin.enable(layer)
+    calls = []
+    dropin.enable(layer, dequantize=counted(calls))
     assert_bit_exact(layer(x), expected)
+    assert calls == []
 
 
 def test_state_kept_on_the_module(device):
@@ -148,7 +156,7 @@ def test_no_state_anywhere_goes_to_bitsandbytes(device, monkeypatch):
     layer.weight.quant_state = None
     dropin.enable(layer)
     seen = []
-    monkeypatch.setattr(dropin, "_previous_forward", lambda module: lambda x: seen.append(1) or x)
+    monkeypatch.setattr(dropin, "_previous_forward", lambda module, x: seen.append(1) or x)
     layer(torch.randn(4, 64, dtype=torch.bfloat16, device=device))
     assert seen == [1]
 
@@ -258,18 +266,18 @@ def test_training_step_equals_bitsandbytes(dtype, bias):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3, 16, 200, 2000])
-def test_inference_equals_bitsandbytes(rows, monkeypatch):
+def test_inference_equals_bitsandbytes(rows):
     """Inference: where bitsandbytes uses its fused kernel its forward is kept (same bits); where
     it dequantizes, ours gives its bits."""
     layer = bitsandbytes_layer((1024, 512), torch.bfloat16, False)
     x = torch.randn(rows, 512, dtype=torch.bfloat16, device="cuda")
+    calls = []
     with torch.inference_mode():
         expected = layer(x)
-        dropin.enable(layer)
-        fused = dropin._bitsandbytes_fused_kernel(x, layer.weight.quant_state)
-        if fused:
-            monkeypatch.setattr(dropin._DequantizedLinear, "apply", lambda *args: pytest.fail("routed"))
+        dropin.enable(layer, dequantize=counted(calls))
+        fused = dropin._bitsandbytes_fused_kernel(x, torch.bfloat16, layer.weight.quant_state)
         got = layer(x)
     assert_bit_exact(got, expected)
+    assert calls == ([] if fused else [1])
     if rows >= 2000:
         assert not fused

@@ -32,12 +32,15 @@ def test_compare_losses():
         fsdp_qlora.compare_losses([1.0, 2.0], [1.0])
 
 
-def test_own_shard():
-    """A unit left unsharded after training: each rank compares its own part."""
-    flat = torch.arange(12.0)
-    assert torch.equal(fsdp_qlora.own_shard(flat[4:8], flat[4:8], 1), flat[4:8])
-    assert torch.equal(fsdp_qlora.own_shard(flat, flat[4:8].clone(), 1), flat[4:8])
-    assert torch.equal(fsdp_qlora.own_shard(flat, flat[8:].clone(), 2), flat[8:])
+def test_changed_weights():
+    """Bytes compared, so a packed weight whose bf16 view holds a NaN equals itself; a changed,
+    missing or new weight is named."""
+    packed = torch.tensor([0x7FC1, 0x0001, -0x0080], dtype=torch.int16).view(torch.bfloat16)  # a NaN first
+    before = {"a": packed.view(torch.uint8).clone(), "b": torch.zeros(4, dtype=torch.uint8)}
+    assert fsdp_qlora.changed_weights(before, {name: t.clone() for name, t in before.items()}) == []
+    after = {"a": before["a"].clone(), "c": before["b"].clone()}
+    after["a"][0] ^= 1
+    assert fsdp_qlora.changed_weights(before, after) == ["a", "-b", "+c"]
 
 
 @pytest.mark.gpu
@@ -53,7 +56,8 @@ def test_two_gpu_run(tmp_path):
     (folder,) = [os.path.join(tmp_path, name) for name in os.listdir(tmp_path)]
     rows = list(csv.DictReader(open(os.path.join(folder, "fsdp.csv"))))
     assert {row["implementation"] for row in rows} == {"bitsandbytes", "nf4-triton", "bitsandbytes (again)"}
-    assert all(row["frozen_shards_unchanged"] == "True" for row in rows)
+    assert all(row["frozen_shards_unchanged"] == "True" for row in rows), [
+        (row["implementation"], row["frozen_changed_or_added"][:300]) for row in rows]
     ours = next(row for row in rows if row["implementation"] == "nf4-triton")
     assert ours["stale_results"] == "0 0"
     layers = 4 * 7  # one plan per quant state: the model's Linear4bit layers, at most

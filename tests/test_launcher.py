@@ -34,7 +34,7 @@ class Launcher:
 
 
 class TupleLauncher(Launcher):
-    """Triton 3.9: the hooks and fixed objects forwarded, the kernel's arguments as one tuple."""
+    """Triton 3.7 to 3.9: the hooks and fixed objects forwarded, the kernel's arguments as one tuple."""
 
     annotations = object()
 
@@ -112,7 +112,7 @@ def comparable(calls, fresh_objects):
 
 @pytest.mark.parametrize("launcher_type, path", [
     (Launcher, "direct"),
-    (TupleLauncher, "direct"),
+    (TupleLauncher, "direct_as_tuple"),
     (ScratchLauncher, "via_triton"),
     (FreshObjectLauncher, "via_triton"),
     (OtherPathLauncher, "via_triton"),
@@ -122,7 +122,7 @@ def test_plan_launch_forwards_what_triton_would(launcher_type, path):
     name, while_built, later, triton_calls = launched_by_plan(launcher_type)
     fresh_objects = launcher_type in (ScratchLauncher, FreshObjectLauncher)
     assert name == path
-    assert triton_calls == (0 if path == "direct" else 1)
+    assert triton_calls == (1 if path == "via_triton" else 0)
     # A later call launches exactly what Triton's launcher would for it.
     assert comparable(later, fresh_objects) == comparable(launched_by_triton(launcher_type, *LATER), fresh_objects)
     # Building it launches nothing, or (a launcher that launches by another route) repeats the
