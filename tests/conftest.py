@@ -15,12 +15,23 @@ HAS_CUDA = torch.cuda.is_available()
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true",
+                     help="on a GPU, also the long tail: the full fuzz, 10,000-call memory, more than 2**31 elements, threads")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "long: the GPU's long tail, run with --long")
 
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
+        if not config.getoption("--long"):
+            skip = pytest.mark.skip(reason="the long tail: run with --long")
+            for item in items:
+                if "long" in item.keywords:
+                    item.add_marker(skip)
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -106,6 +106,7 @@ def sub_state(packed, state, start, count):
     return packed[start // 2:(start + count + 1) // 2], part
 
 
+@pytest.mark.long
 def test_more_than_2_pow_31_elements():
     n_elements = 2**31 + 192
     packed, state = synthetic_state(n_elements, torch.float16)

@@ -42,12 +42,13 @@ def test_run_all_in_smoke_mode(name, tmp_path, monkeypatch):
             cell.outputs = []
     monkeypatch.setenv("NF4_NOTEBOOK_SMOKE", "1")
     # IPC, not TCP: over TCP the client and the kernel both sat waiting, each idle, in 2 of 4 clean-clone
-    # CI runs (NOTES.md, Open); the timeout turns any such stall into a failure, not a hang.
+    # CI runs (NOTES.md, Open). A whole smoke run takes 8 s here, so 60 s per cell turns any stall
+    # into a failure within a minute.
     from jupyter_client import KernelManager
 
     # The IPC sockets go to the test's temporary folder (by default they land in the working directory).
     manager = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp_path / "kernel"))
-    client = nbclient.NotebookClient(notebook, km=manager, timeout=300, resources={"metadata": {"path": ROOT}})
+    client = nbclient.NotebookClient(notebook, km=manager, timeout=60, resources={"metadata": {"path": ROOT}})
     client.execute(cwd=ROOT)
     text = "\n".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                      for output in cell.outputs)

@@ -63,7 +63,9 @@ def fuzz_weight(case, device):
     return packed, state
 
 
-@pytest.mark.parametrize("index", range(FUZZ_CASES))
+# On a GPU the cases past the CPU's 96 are the long tail (--long).
+@pytest.mark.parametrize("index", [pytest.param(index, marks=pytest.mark.long) if index >= 96 else index
+                                   for index in range(FUZZ_CASES)])
 def test_fuzz(index, device):
     case = fuzz_case(index)
     packed, state = fuzz_weight(case, device)
@@ -78,6 +80,7 @@ def test_fuzz(index, device):
 
 # ---- GPU only -----------------------------------------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.long
 def test_threads():
     """8 threads, 1000 calls each on their own weights, all exact (the plans are shared state)."""
     weights = [quantize((64 + 8 * i, 96), dtype=DTYPES[i % 3], device="cuda", seed=100 + i) for i in range(8)]
@@ -122,6 +125,7 @@ def test_weight_moved_away_and_back():
 
 
 @pytest.mark.gpu
+@pytest.mark.long
 def test_memory_steady_and_peak():
     packed, state = quantize((1024, 1024), dtype=torch.bfloat16, device="cuda", seed=203)
     kernel.dequantize_nf4(packed, state)  # compile and leave the plan
@@ -251,6 +255,7 @@ def test_special_values(dtype, nested, use_asm):
 
 
 @pytest.mark.gpu
+@pytest.mark.long
 def test_threads_while_plans_are_replaced():
     """7 threads with their own streams call on their own weights while another thread keeps
     replacing every plan (set_launch_config) and emptying the allocator's cache: all exact."""
