@@ -42,7 +42,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-__all__ = ["dequantize_nf4", "your_dequantize_nf4", "_your_dequantize_nf4", "INTERPRET"]
+__all__ = ["dequantize_nf4", "your_dequantize_nf4", "set_launch_config", "launch_config"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -295,7 +295,7 @@ def set_launch_config(bytes_per_program=None, num_warps=None, shared_tables=Fals
         _require(isinstance(shared_tables, bool), f"set_launch_config: shared_tables must be a bool, got {shared_tables!r}")
         _require(TRITON_COMPILES_SHARED_TABLES or not shared_tables,
                  f"set_launch_config: Triton {triton.__version__} cannot compile the shared-memory codebook lookup "
-                 "(3.6 or later can)")
+                 "(3.4 or later can)")
         _launch_override = (bytes_per_program, num_warps, shared_tables)
     _PLANS.clear()  # plans hold kernels compiled for the old configuration
 
@@ -779,7 +779,7 @@ class _LaunchPlan:
         self.key = id(qs)
         # The callback's globals are bound now: at interpreter exit a state may die after this
         # module's globals are gone.
-        self.state_ref = weakref.ref(qs, lambda _, key=self.key, plan=weakref.ref(self), drop=_drop_plan,
+        self.state_ref = weakref.ref(qs, lambda _, key=self.key, plan=weakref.ref(self), drop=_drop_plan,  # noqa: B008
                                      plans=_PLANS: drop(plans, key, plan))
         # The packed bytes may move (FSDP gathers them into new memory every step): the plan takes
         # any address of the same 16-byte alignment, on which Triton specialized the kernel and the

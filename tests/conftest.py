@@ -21,22 +21,19 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "gpu(n=1): needs n CUDA GPUs (skipped with fewer); the one way to mark GPU tests")
     config.addinivalue_line("markers", "long: the GPU's long tail, run with --long")
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        if not config.getoption("--long"):
-            skip = pytest.mark.skip(reason="the long tail: run with --long")
-            for item in items:
-                if "long" in item.keywords:
-                    item.add_marker(skip)
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    gpus = torch.cuda.device_count() if HAS_CUDA else 0
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        marker = item.get_closest_marker("gpu")
+        needed = (marker.args[0] if marker.args else 1) if marker else 0
+        if needed > gpus:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU" if needed == 1 else f"needs {needed} GPUs"))
+        elif HAS_CUDA and "long" in item.keywords and not config.getoption("--long"):
+            item.add_marker(pytest.mark.skip(reason="the long tail: run with --long"))
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,7 @@ def test_charts_from_results(tmp_path):
     assert all(os.path.getsize(path) > 10_000 for path in written)
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the profiler's GPU records need CUDA")
+@pytest.mark.gpu
 def test_gpu_times_per_callable():
     import torch
 
@@ -52,7 +52,7 @@ def test_gpu_times_per_callable():
         bench.gpu_times({"nothing": lambda: None}, calls=3)
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the floor kernel runs on the GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(256, 192), (100, 64)])
 def test_floor_kernel_reads_the_packed_bytes_and_the_absmax(shape):
     import torch
@@ -67,7 +67,7 @@ def test_floor_kernel_reads_the_packed_bytes_and_the_absmax(shape):
     assert torch.equal(out, expected)
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the compiled floor runs on the GPU")
+@pytest.mark.gpu
 def test_compiled_floor_matches_the_floor_kernel():
     """The compile section's floor: the same kernel inside a compiled graph, no graph break."""
     import torch

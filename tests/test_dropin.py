@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import dropin
 import kernel
-from helpers import assert_bit_exact, expected_values, linear4bit, snapshot, assert_unchanged
+from helpers import assert_bit_exact, assert_unchanged, expected_values, linear4bit, snapshot
 
 DTYPES = [torch.float16, torch.bfloat16]
 # Rows above bitsandbytes' fused-kernel range (1536): inference there is dequantize + matmul, so

@@ -43,8 +43,7 @@ def test_changed_weights():
     assert fsdp_qlora.changed_weights(before, after) == ["a", "-b", "+c"]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.gpu(2)
 def test_two_gpu_run(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     torchrun = shutil.which("torchrun") or [sys.executable, "-m", "torch.distributed.run"]

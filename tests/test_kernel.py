@@ -10,8 +10,17 @@ import triton
 
 import bench
 import kernel
-from helpers import (assert_bit_exact, assert_unchanged, bit_exact, bnb_dequantize, expected_values, offset_copy,
-                     quantize, snapshot, with_subnormal_scales)
+from helpers import (
+    assert_bit_exact,
+    assert_unchanged,
+    bit_exact,
+    bnb_dequantize,
+    expected_values,
+    offset_copy,
+    quantize,
+    snapshot,
+    with_subnormal_scales,
+)
 from reference import KNOWN_BAD, KNOWN_BAD_SUBNORMAL, dequantize_reference
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

@@ -48,7 +48,7 @@ def test_logits_equal_bitsandbytes(saved_model, dtype, monkeypatch):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.gpu(2)
 def test_model_split_over_two_gpus(saved_model, monkeypatch):
     """device_map puts layer 0 on cuda:0 and layer 1 on cuda:1: whichever device is current,
     each layer launches on its own and stays on the fast path."""

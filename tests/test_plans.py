@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import kernel
-from helpers import (assert_bit_exact, bit_exact, expected_values, failures_in_threads, linear4bit, offset_copy,
-                     quantize)
+from helpers import assert_bit_exact, bit_exact, expected_values, failures_in_threads, linear4bit, offset_copy, quantize
 from reference import dequantize_reference
 
 

@@ -154,8 +154,7 @@ def test_outputs_never_share_storage():
     assert len(pointers) == 4
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.gpu(2)
 def test_weight_on_second_device():
     """A weight on cuda:1 while cuda:0 is current: right values, on cuda:1, twice (plan or not)."""
     packed, state = quantize((512, 384), dtype=torch.bfloat16, device="cuda:1", seed=205)
