@@ -30,6 +30,7 @@ import operator
 import os
 import struct
 import threading
+import typing
 import weakref
 
 import torch
@@ -42,7 +43,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-__all__ = ["dequantize_nf4", "your_dequantize_nf4", "set_launch_config", "launch_config"]
+__all__ = ["dequantize_nf4", "your_dequantize_nf4", "set_launch_config", "launch_config", "LaunchConfig", "LaunchTier"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -213,59 +214,56 @@ def _dequantize_4bit_kernel(
 # --------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------
-# Compute capability -> launch tiers (smallest packed weight in bytes, packed bytes per program,
-# warps per program, codebooks in shared memory); a weight takes the last tier it reaches. A tier
-# with the codebooks in shared memory is passed over where Triton cannot compile that lookup
-# (TRITON_COMPILES_SHARED_TABLES), so the tier before it, from the same size, is its fallback.
-#
-# The shared-memory lookup (SHARED_TABLES, `tl.gather`) loads each codebook whole into shared
-# memory and costs a barrier and a shared load per code, but ptxas then gives the program fewer
-# registers (ptxas for sm_90: 32 instead of 40 at 2048/4, 32 instead of 64 at 2048/2, 20 instead of
-# 26 at 512/4), so more programs are resident and a grid of a few waves loses less to its last one.
-#
-# sm_90 (H100, measured): GPU time per call (profiler), 6 to 8 paired rounds per size, the tier
-# against its neighbours (NOTES.md, items 19, 41 and 43). Tier boundaries lie between measured sizes.
-# - below 2.25 MiB of packed weight, 1024 bytes over 4 warps: 4.48 us at 2048x2048 fp16 (2 MiB)
-#   against 4.68 to 4.90 us for 1024/2 and the 2048-byte programs.
-# - from 2.25 MiB, 2048 bytes over 4 warps with the codebooks in shared memory: 5.18 against
-#   6.37 us (1024/4) at 5120x1024 bf16 (2.5 MiB), 5.93 against 7.18 us at 4096x1536 fp16 (3 MiB),
-#   7.54 against 7.66 us (2048/2 shared) and 8.98 us (2048/4 global) at 2048x4096 fp16 (4 MiB).
-# - from 4.25 MiB, 2048 bytes over 2 warps, shared: 8.70 against 9.71 us (2048/4 shared) at
-#   4608x2048 bf16 (4.5 MiB), 11.34 against 12.46 us at 4096x3072 fp16, 14.50 against 15.22 us at
-#   8192x2048 fp16, 22.66 against 22.84 us (2048/4 global) at 4096x6144 fp16, 29.66 against
-#   29.91 us at 8192x4096 bf16 (16 MiB). Programs of 64 threads reach the limit of 32 programs per
-#   SM, so a grid of up to 8.25 MiB runs in one wave (2048/4 shared: 16 per SM, 4.125 MiB).
-# - from 17 MiB, 2048 bytes over 4 warps, global codebooks: 33.38 against 34.04 us (2048/2 shared)
-#   at 9216x4096 fp16 (18 MiB), level with 1024/2 and 512/4 shared from 20 to 40 MiB (51.81 against
-#   51.70 us at 14336x4096 fp16; 58.93 against 59.26 us for 512/4 shared at 8192x8192 bf16).
-# - from 48 MiB, 512 bytes over 4 warps, shared: level at 12288x8192 bf16 (87.50 against 87.59 us),
-#   101.44 against 101.85 us at 14336x8192 fp16, 200.69 against 201.84 us at 28672x8192 bf16, below
-#   the same-bytes floor kernel (201.35 us). With global codebooks 512/4 takes 217 us there, though
-#   its 26 registers allow full residency too (not understood); 256-byte programs take 277 us
-#   (459k programs; perhaps the rate at which the GPU starts programs), 512/2 and 1024/8 shared 202.4 and 203.4 us.
-#
-# sm_75 (T4) and sm_89 (L4), reasoned from their specs, not measured: both need far fewer bytes
-# in flight than the H100. At 320 GB/s (T4) or 300 GB/s (L4) and about 1 us of DRAM latency,
-# ~320 KB must be in flight chip-wide: 8 KB per SM on the T4's 40 SMs, 5.5 KB on the L4's 58.
-# A 1024-byte program moves 1 KB in and 4 KB out (fp16); the T4 holds 8 such programs per SM
-# (1024 threads), the L4 12 (1536 threads), 40 to 60 KB per SM, so the H100's small-weight
-# configuration already saturates them, and 8 bytes per thread keeps the 16-byte stores the
-# sweep favoured. The shared-memory lookup is not used there: its gain on the H100 comes from
-# residency limits that were measured on the H100 only. The notebooks sweep on the GPU they run on
-# and install the winner with set_launch_config().
+MiB = 1 << 20
+
+
+class LaunchConfig(typing.NamedTuple):
+    """How the kernel is launched."""
+
+    bytes_per_program: int  # packed bytes one program decodes
+    num_warps: int
+    shared_tables: bool  # codebooks looked up in shared memory (tl.gather), else in global memory
+
+
+class LaunchTier(typing.NamedTuple):
+    """``config`` for packed weights of at least ``smallest_bytes``; ``fallback`` where this Triton
+    cannot compile a shared-memory lookup."""
+
+    smallest_bytes: int
+    config: LaunchConfig
+    fallback: typing.Optional[LaunchConfig] = None
+
+    def __repr__(self):
+        config, fallback = self.config, self.fallback
+        text = (f"from {self.smallest_bytes / MiB:g} MiB: {config.bytes_per_program} bytes over "
+                f"{config.num_warps} warps, {'shared' if config.shared_tables else 'global'} codebooks")
+        return text + (f" (else {fallback.bytes_per_program} over {fallback.num_warps}, global)" if fallback else "")
+
+
+# Compute capability -> launch tiers; a weight takes the last tier it reaches. Shared-memory
+# codebooks cost a barrier and a shared load per code, but ptxas gives the program fewer registers
+# (32 instead of 40 at 2048/4, 32 instead of 64 at 2048/2), so more programs stay resident.
+# sm_90, measured on the H100 by GPU time in paired rounds (NOTES.md, items 19, 41, 43):
+_SMALL = LaunchConfig(1024, 4, False)  # 4.48 against 4.68 us or more at 2048x2048 fp16
+_MID_GLOBAL = LaunchConfig(2048, 4, False)
 LAUNCH_CONFIGS = {
     (9, 0): (
-        (0, 1024, 4, False),
-        (9 << 18, 2048, 4, False),  # the fallback of the next tier
-        (9 << 18, 2048, 4, True),
-        (17 << 18, 2048, 2, True),
-        (17 << 20, 2048, 4, False),
-        (48 << 20, 512, 4, True),
+        LaunchTier(0, _SMALL),
+        # 5.18 against 6.37 us (1024/4) at 5120x1024 bf16
+        LaunchTier(9 * MiB // 4, LaunchConfig(2048, 4, True), fallback=_MID_GLOBAL),
+        # 2 warps: 32 programs per SM, one wave up to 8.25 MiB; 14.50 against 15.22 us at 8192x2048 fp16
+        LaunchTier(17 * MiB // 4, LaunchConfig(2048, 2, True), fallback=_MID_GLOBAL),
+        # level with 1024/2 and 512/4 shared from 20 to 40 MiB; 33.38 against 34.04 us at 9216x4096 fp16
+        LaunchTier(17 * MiB, _MID_GLOBAL),
+        # 200.69 against 201.84 us at 28672x8192 bf16; 512/4 with global codebooks takes 217 us there
+        LaunchTier(48 * MiB, LaunchConfig(512, 4, True), fallback=_MID_GLOBAL),
     ),
-    (8, 9): ((0, 1024, 4, False),),
-    (7, 5): ((0, 1024, 4, False),),
+    # Reasoned, not measured: at 300 to 320 GB/s about 320 KB in flight chip-wide saturate the T4 and
+    # the L4, and 1024-byte programs put 40 to 60 KB per SM in flight. The notebooks sweep there.
+    (8, 9): (LaunchTier(0, _SMALL),),
+    (7, 5): (LaunchTier(0, _SMALL),),
 }
-DEFAULT_LAUNCH_CONFIG = ((0, 1024, 4, False),)
+DEFAULT_LAUNCH_TIERS = (LaunchTier(0, _SMALL),)
 # Triton 3.3.1's compiler aborts on the shared-memory gathers (an assertion in
 # OptimizeThreadLocality); from 3.4 they compile and run bit-exact on the GPU (README, Triton versions).
 TRITON_COMPILES_SHARED_TABLES = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 4)
@@ -273,13 +271,13 @@ _launch_override = None
 
 
 def launch_config(capability, n_bytes=0):
-    """(bytes per program, warps, codebooks in shared memory) for a packed weight of ``n_bytes`` on
-    a GPU of ``capability``: set_launch_config's choice, else the table's tier for that size."""
+    """The LaunchConfig for a packed weight of ``n_bytes`` on a GPU of ``capability``:
+    set_launch_config's choice, else the tier that size reaches."""
     if _launch_override is not None:
         return _launch_override
-    tiers = LAUNCH_CONFIGS.get(tuple(capability), DEFAULT_LAUNCH_CONFIG)
-    return next((per_program, warps, shared) for smallest, per_program, warps, shared in reversed(tiers)
-                if n_bytes >= smallest and (TRITON_COMPILES_SHARED_TABLES or not shared))
+    tiers = LAUNCH_CONFIGS.get(tuple(capability), DEFAULT_LAUNCH_TIERS)
+    tier = next(tier for tier in reversed(tiers) if n_bytes >= tier.smallest_bytes)
+    return tier.config if TRITON_COMPILES_SHARED_TABLES or not tier.config.shared_tables else tier.fallback
 
 
 def set_launch_config(bytes_per_program=None, num_warps=None, shared_tables=False):
@@ -296,7 +294,7 @@ def set_launch_config(bytes_per_program=None, num_warps=None, shared_tables=Fals
         _require(TRITON_COMPILES_SHARED_TABLES or not shared_tables,
                  f"set_launch_config: Triton {triton.__version__} cannot compile the shared-memory codebook lookup "
                  "(3.4 or later can)")
-        _launch_override = (bytes_per_program, num_warps, shared_tables)
+        _launch_override = LaunchConfig(bytes_per_program, num_warps, shared_tables)
     _PLANS.clear()  # plans hold kernels compiled for the old configuration
 
 
@@ -513,7 +511,7 @@ def dequantize_nf4(weight, quant_state=None, *, out=None):
     values of ``bitsandbytes.functional.dequantize_4bit``, transposed like it when the packed
     weight has ``shape[0] == 1``. ``out`` is a contiguous buffer of that shape, dtype and device.
     """
-    if out is None and not torch.compiler.is_compiling():
+    if out is None and PLANS_ENABLED and not torch.compiler.is_compiling():
         if quant_state is not None and type(weight) is torch.Tensor:
             plan = _PLANS.get(id(quant_state))
             if plan is not None and plan.matches(weight, quant_state):
@@ -533,7 +531,7 @@ def _dequantize(weight, quant_state, out, **overrides):
     """The validating path: ``dequantize_nf4`` with kernel constexprs overridden (tests force each
     variant). A call without overrides or ``out`` leaves a launch plan for the weight behind."""
     result, plan = _validate_and_launch(weight, quant_state, out, overrides)
-    if plan is not None and not overrides:
+    if plan is not None and not overrides and PLANS_ENABLED:
         plan.keep()
     return result
 
@@ -738,6 +736,13 @@ else:
 # current, skipping validation and Triton's argument binding. The kernel reads the bytes on every
 # call, so a weight re-quantized in place is served fresh; anything else takes the validating
 # path, which replaces the plan. A plan holds no tensor: the state holds the tables it checks.
+#
+# It relies on Triton internals: a compiled kernel's `run`, `function` and `packed_metadata`, the
+# launcher's C `launch` and its forwarding call (recorded, `_direct_launch`), the launch hooks of
+# Triton 3.3 and of 3.4 on; and on torch's current-stream, device and allocation entries. It ran on
+# the GPU under Triton 3.3.1 to 3.9.0 (README, Triton versions). NF4_TRITON_PLANS=0 turns it off:
+# every call validates and launches through Triton.
+PLANS_ENABLED = os.environ.get("NF4_TRITON_PLANS", "1") != "0"
 _PLANS = {}
 _OUT_ARG = 6  # position of out_ptr in the kernel's arguments
 

@@ -62,7 +62,7 @@ def test_tier_tiles_with_shared_tables(tile, shape, dtype, nested, quant_type):
     assert_bit_exact(got, bnb_dequantize(packed, state))
 
 
-@pytest.mark.parametrize("smallest", sorted({tier[0] for tier in kernel.LAUNCH_CONFIGS[(9, 0)]} - {0}))
+@pytest.mark.parametrize("smallest", sorted({tier.smallest_bytes for tier in kernel.LAUNCH_CONFIGS[(9, 0)]} - {0}))
 def test_every_tier_on_the_gpu(smallest):
     """A weight at the smallest size of each H100 tier takes that tier's configuration (through its
     plan too) and stays bit-exact."""

@@ -102,9 +102,9 @@ def test_shared_tables_by_weight_size():
     nor on GPUs whose table has no such tier)."""
     variant = lambda n_bytes, capability: kernel.kernel_variant(torch.float16, nested=True, n_elements=2 * n_bytes,
                                                                 capability=capability, l2_bytes=50 << 20)
-    for smallest, _, _, shared in kernel.LAUNCH_CONFIGS[(9, 0)]:
-        if shared:
-            assert variant(smallest, (9, 0))["SHARED_TABLES"] == kernel.TRITON_COMPILES_SHARED_TABLES
+    for tier in kernel.LAUNCH_CONFIGS[(9, 0)]:
+        if tier.config.shared_tables:
+            assert variant(tier.smallest_bytes, (9, 0))["SHARED_TABLES"] == kernel.TRITON_COMPILES_SHARED_TABLES
     assert not variant(1 << 20, (9, 0))["SHARED_TABLES"]
     assert not any(variant(n, cc)["SHARED_TABLES"] for n in (1 << 20, 8 << 20, 1 << 30) for cc in ((8, 9), (7, 5)))
 

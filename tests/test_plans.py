@@ -404,3 +404,20 @@ def test_plans_alive_at_interpreter_exit(device):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Exception ignored" not in result.stderr, result.stderr[-3000:]
+
+
+def test_plans_switched_off(tmp_path):
+    """NF4_TRITON_PLANS=0: every call validates and launches through Triton; no plan is kept."""
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+            "import torch, kernel\n"
+            "from helpers import expected_values, quantize\n"
+            "packed, state = quantize((33, 130), dtype=torch.bfloat16, device='cuda' if torch.cuda.is_available() else 'cpu')\n"
+            "outs = [kernel.dequantize_nf4(packed, state) for _ in range(3)]\n"
+            "assert all(torch.equal(out.view(torch.int16), expected_values(packed, state).view(torch.int16)) for out in outs)\n"
+            "assert not kernel.PLANS_ENABLED and not kernel._PLANS\n"
+            "print('ok')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, NF4_TRITON_PLANS="0")
+    result = subprocess.run([sys.executable, "-c", code, root, os.path.join(root, "tests")], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
