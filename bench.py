@@ -772,17 +772,16 @@ def main():
 
     if not torch.cuda.is_available():
         print("No CUDA GPU: nothing to time. Running a small correctness demo through Triton's interpreter.")
-        import sys
+        import bitsandbytes.functional as F
 
         quiet_bitsandbytes_cpu_notice()
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
-        from helpers import bnb_dequantize, quantize
-
-        packed, state = quantize((17, 129), dtype=torch.bfloat16)
-        same = torch.equal(kernel.dequantize_nf4(packed, state), bnb_dequantize(packed, state))
-        print("Checked: a 17x129 weight (odd sizes, the last block short), NF4 with double-quantized absmax, "
-              "dequantized to bf16 by the kernel on the CPU against bitsandbytes' own CPU dequantization.")
-        print("bit-exact with bitsandbytes:", same)
+        weight = torch.randn(24, 320, generator=torch.Generator().manual_seed(0))
+        packed, state = F.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
+        state.dtype = torch.bfloat16
+        ours, theirs = kernel.dequantize_nf4(packed, state), F.dequantize_4bit(packed, state)
+        print("Checked: a 24x320 weight quantized by bitsandbytes (NF4, double-quantized absmax), dequantized "
+              "to bf16 by the kernel on the CPU against bitsandbytes' own CPU dequantization.")
+        print("bit-exact with bitsandbytes:", torch.equal(ours.view(torch.int16), theirs.view(torch.int16)))
         print("Next: `python -m pytest -q tests` runs the CPU test suite (GPU-only tests show as skipped, `s`); "
               "on a CUDA GPU, `python bench.py` times everything and writes results/<gpu>/.")
         return
