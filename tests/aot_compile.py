@@ -1,7 +1,7 @@
 """Compile every kernel variant the wrapper can launch for one GPU target, without a GPU.
 
-Run as ``python tests/aot_compile.py CC``. Prints one JSON line per variant with the PTX facts the
-tests check. Runs in its own process with TRITON_INTERPRET=0 so that ``kernel.py`` defines
+Run as ``python tests/aot_compile.py CC``. Prints the number of variants, then one JSON line per
+variant with the PTX facts the tests check. Runs in its own process with TRITON_INTERPRET=0 so that ``kernel.py`` defines
 compiled (not interpreted) kernels even on a machine without CUDA.
 """
 
@@ -75,7 +75,9 @@ def compile_variant(capability, out_dtype, nested, num_warps, constexprs):
 def main():
     cc = int(sys.argv[1])
     capability = (cc // 10, cc % 10)
-    for out_dtype, nested, use_asm, use_int64, num_warps, constexprs in variants(capability):
+    todo = list(variants(capability))
+    print(json.dumps({"variants": len(todo)}), flush=True)
+    for out_dtype, nested, use_asm, use_int64, num_warps, constexprs in todo:
         compiled = compile_variant(capability, out_dtype, nested, num_warps, constexprs)
         ptx = compiled.asm["ptx"]
         asm_blocks = re.findall(r"begin inline asm(.*?)end inline asm", ptx, re.S)

@@ -23,9 +23,10 @@ def compiled(request):
     result = subprocess.run([sys.executable, os.path.join(HERE, "aot_compile.py"), str(request.param)],
                             capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    shared = 3 * 2 * 2 if kernel.TRITON_COMPILES_SHARED_TABLES else 0
-    assert len(rows) == 3 * 2 * 2 * 2 * 2 + 3 * 2 * 2 + 1 + shared, result.stdout
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    (count,) = [line["variants"] for line in lines if "variants" in line]
+    rows = [line for line in lines if "cc" in line]
+    assert count > 0 and len(rows) == count, result.stdout
     return request.param, rows
 
 
