@@ -20,6 +20,27 @@ def load(name):
     return notebook
 
 
+def as_generic(source, gpu, other_gpu, dtype, other_dtype):
+    """A notebook cell with its GPU and dtype names replaced by placeholders."""
+    names = {gpu: "<GPU>", other_gpu: "<OTHER GPU>", dtype: "<DTYPE>", other_dtype: "<OTHER DTYPE>",
+             {"fp16": "float16", "bf16": "bfloat16"}[dtype]: "<TORCH DTYPE>"}
+    source = re.sub(r"\ban? (T4|L4)\b", r"a \1", source).replace("T4 or L4", "<BOTH GPUS>")
+    return re.sub(r"\b(" + "|".join(names) + r")\b", lambda match: names[match.group(1)], source)
+
+
+def test_notebooks_differ_only_in_gpu_and_dtype():
+    """One notebook per GPU from the same cells: they cannot drift apart."""
+    t4, l4 = load("nf4_dequant_T4.ipynb").cells, load("nf4_dequant_L4.ipynb").cells
+    assert len(t4) == len(l4)
+    for ours, theirs in zip(t4, l4):
+        assert ours.cell_type == theirs.cell_type
+        lines, other_lines = ours.source.splitlines(), theirs.source.splitlines()
+        assert len(lines) == len(other_lines), ours.source[:80]
+        for line, other in zip(lines, other_lines):  # each line the same, or the same but for GPU and dtype
+            assert line == other or (as_generic(line, "T4", "L4", "fp16", "bf16")
+                                     == as_generic(other, "L4", "T4", "bf16", "fp16")), (line, other)
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_structure(name):
     notebook = load(name)
