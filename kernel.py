@@ -178,8 +178,8 @@ def _dequantize_4bit_kernel(
     else:
         scale = tl.load(absmax_ptr + block, mask=row_mask, other=0.0, eviction_policy=TABLE_HINT)
 
-    # No eviction hint on the packed load: evict_first there cost 1.2 us at 14336x4096 and 3.5 us
-    # at 28672x8192 on the H100 (54.2 vs 55.4 us, 205.0 vs 208.5 us; NOTES.md, item 9).
+    # No eviction hint on the packed load: evict_first there cost 3.5 us at 28672x8192 on the H100
+    # (NOTES.md, item 9).
     if WORD_LOADS:
         # int32 words, little-endian: byte k holds bits 8k..8k+7, so the word's element e sits at
         # bit 8 * (e // 2), plus 4 for the high nibble (even e). The codes come out in output
@@ -298,11 +298,8 @@ def set_launch_config(bytes_per_program=None, num_warps=None, shared_tables=Fals
     _PLANS.clear()  # plans hold kernels compiled for the old configuration
 
 
-# The output is written once and never read here, yet evict_first on its stores pays only for
-# outputs of several L2 sizes. H100 (50 MB L2), do_bench medians, 8 rounds, fp16 / bf16, store
-# hint on minus off: +0.3 / +0.1 us at 34 MB of output, +1.1 / +0.7 us at 117 MB,
-# +0.0 / +1.0 us at 134 MB, +0.2 / -0.1 us at 235 MB, -0.6 / -0.3 us at 268 MB,
-# -0.9 / -0.9 us at 470 MB, -1.9 / -1.9 us at 940 MB (NOTES.md, item 15). The same multiple of
+# evict_first on the output's stores pays only for outputs of several L2 sizes: on the H100
+# (50 MB L2) -1.9 us at 940 MB, +1.1 / +0.7 us at 117 MB (NOTES.md, item 15). The same multiple of
 # the L2 is a guess for the T4 (4 MB) and the L4 (48 MB).
 STREAM_STORES_L2_MULTIPLE = 4
 
