@@ -159,13 +159,13 @@ def _bitsandbytes_fused_matmul(x, packed, quant_state, bias):
         return None
     op, packed = rule[2], packed.view(-1, 1)
     if not quant_state.nested:
-        return op(x, packed, quant_state.shape, quant_state.absmax, quant_state.blocksize,
-                          quant_state.quant_type, bias=bias)
+        return op(x, packed, quant_state.shape, quant_state.absmax, quant_state.blocksize, quant_state.quant_type,
+                  bias=bias)
     if quant_state.state2.blocksize != 256:
         return None
-    return op(x, packed, quant_state.shape, quant_state.state2.absmax, quant_state.blocksize,
-                      quant_state.quant_type, bias=bias, absmax_8bit=quant_state.absmax,
-                      absmax_code=quant_state.state2.code, absmax_offset=quant_state.offset)
+    return op(x, packed, quant_state.shape, quant_state.state2.absmax, quant_state.blocksize, quant_state.quant_type,
+              bias=bias, absmax_8bit=quant_state.absmax, absmax_code=quant_state.state2.code,
+              absmax_offset=quant_state.offset)
 
 
 class _DequantizedLinear(torch.autograd.Function):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import dropin
 import kernel
-from helpers import assert_bit_exact, assert_unchanged, expected_values, linear4bit, snapshot
+from helpers import assert_bit_exact, assert_unchanged, expected_values, linear4bit, quantize, snapshot
 
 DTYPES = [torch.float16, torch.bfloat16]
 # Rows above bitsandbytes' fused-kernel range (1536): inference there is dequantize + matmul, so
@@ -281,3 +281,24 @@ def test_inference_equals_bitsandbytes(rows):
     assert calls == ([] if fused else [1])
     if rows >= 2000:
         assert not fused
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
+def test_fused_op_gets_bitsandbytes_arguments(nested, device, monkeypatch):
+    """The drop-in's call of bitsandbytes' fused op gives what bitsandbytes' matmul_4bit gives
+    (that op also runs on the CPU, so the argument mapping is checked everywhere)."""
+    import bitsandbytes as bnb
+
+    op = torch.ops.bitsandbytes.gemm_4bit.default
+    monkeypatch.setattr(dropin, "_bitsandbytes_rule", lambda: (1536, lambda *args: True, op))
+    layer, _, state = linear4bit((96, 64), device=device, seed=8)
+    if not nested:
+        packed, state = quantize((96, 64), dtype=torch.bfloat16, nested=False, device=device, seed=8)
+        layer.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, bnb_quantized=True,
+                                         module=layer)
+    x = torch.randn(3, 64, dtype=torch.bfloat16, device=device)
+    bias = torch.randn(96, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        got = dropin._bitsandbytes_fused_matmul(x, layer.weight.data, state, bias)
+        expected = bnb.matmul_4bit(x, layer.weight, quant_state=state, bias=bias)
+    assert_bit_exact(got, expected)
