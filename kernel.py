@@ -609,6 +609,14 @@ def _launch_setup(packed, dtype, n_elements, blocksize, blocksize2, nested, fp4,
     return variant, num_warps, n_bytes, (triton.cdiv(n_bytes, variant["BYTES_PER_PROGRAM"]),)
 
 
+def _kernel_args(packed, tables, out, n_elements, n_bytes):
+    """The kernel's positional arguments, in its order (out_ptr at _OUT_ARG)."""
+    absmax, code, absmax2, code2, offset = tables
+    return packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes
+
+
+_OUT_ARG = 6  # position of out_ptr in _kernel_args
+
 # Triton's interpreter keeps the grid and the program index process-wide: one launch at a time.
 _INTERPRETER_LOCK = threading.Lock()
 
@@ -625,7 +633,7 @@ def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4,
     the kernel on it) and another output (a launch plan's)."""
     variant, num_warps, n_bytes, grid = _launch_setup(packed, out.dtype, n_elements, blocksize, blocksize2,
                                                       nested, fp4, overrides)
-    args = (packed,) + tuple(tables) + (out, n_elements, n_bytes)
+    args = _kernel_args(packed, tables, out, n_elements, n_bytes)
     pointers = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
     head, out_ptr, tail = pointers[1:_OUT_ARG], pointers[_OUT_ARG], pointers[_OUT_ARG + 1:]
     if INTERPRET:
@@ -696,7 +704,7 @@ def _dequantize_op(
         return out
     variant, num_warps, n_bytes, grid = _launch_setup(packed, dtype, n_elements, blocksize, blocksize2,
                                                       nested, fp4, {})
-    args = (packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes)
+    args = _kernel_args(packed, (absmax, code, absmax2, code2, offset), out, n_elements, n_bytes)
     if INTERPRET:  # the interpreter's kernel is launched as it is (older torch refuses to wrap it)
         _interpret(grid, args, num_warps, variant)
     else:
@@ -741,7 +749,6 @@ else:
 # every call validates and launches through Triton.
 PLANS_ENABLED = os.environ.get("NF4_TRITON_PLANS", "1") != "0"
 _PLANS = {}
-_OUT_ARG = 6  # position of out_ptr in the kernel's arguments
 
 # Inductor's allocation entry: an empty CUDA tensor on the current device, past torch.empty's
 # dispatcher (2.1 against 5.0 us per call on the H100 host, NOTES.md item 57).
@@ -774,7 +781,7 @@ def _drop_plan(plans, key, plan_ref):
 
 
 class _LaunchPlan:
-    __slots__ = ("key", "state_ref", "device", "device_index", "dtype", "shape", "size", "strides", "facts", "nested",
+    __slots__ = ("key", "state_ref", "device", "device_index", "dtype", "size", "strides", "facts", "nested",
                  "nested_facts", "offset", "transpose", "launch_kernel", "__weakref__")
 
     def __init__(self, packed, qs, shape, blocksize, blocksize2, nested, transpose, tables, launch_kernel):
@@ -787,7 +794,7 @@ class _LaunchPlan:
         # any address of the same 16-byte alignment, on which Triton specialized the kernel and the
         # word loads depend. The kernel reads them as bytes, whatever dtype stores them.
         self.device, self.device_index = packed.device, packed.device.index
-        self.dtype, self.shape, self.nested = qs.dtype, shape, nested
+        self.dtype, self.nested = qs.dtype, nested
         self.size, self.strides = tuple(shape), torch.empty(shape, device="meta").stride()  # contiguous
         # What `matches` compares, in its order: the packed weight's alignment, byte count,
         # contiguity and device (-1: the CPU); the state's fields; (address, dtype, size) of each
@@ -834,7 +841,7 @@ class _LaunchPlan:
     def launch(self, packed):
         index, packed_ptr = self.device_index, packed.data_ptr()
         if index is None:  # CPU tensors: the interpreter
-            out = torch.empty(size=self.shape, dtype=self.dtype, device=self.device)
+            out = torch.empty(size=self.size, dtype=self.dtype, device=self.device)
             self.launch_kernel(0, packed_ptr, out.data_ptr())
         elif torch._C._cuda_getDevice() == index:
             out = _empty_cuda(self.size, self.strides, self.dtype)
