@@ -382,42 +382,34 @@ def test_deepcopied_state_gets_its_own_plan(device):
     assert_bit_exact(kernel.dequantize_nf4(packed, state), expected_values(packed, state))
 
 
-EXIT_SCRIPT = """
-import sys
-sys.path[:0] = [{root!r}, {tests!r}]
-import torch
-import kernel
-from helpers import quantize
-
-packed, state = quantize((64, 64), device={device!r})
-kernel.dequantize_nf4(packed, state)  # a kept plan
-plan = kernel._launch_plan(packed, state)  # and one that is not
-# Held by the module itself, so the state dies while the module's globals are being cleared.
-kernel._held_until_exit = (packed, state, plan)
-"""
+def run_in_new_process(body, device, **env):
+    """``body`` run by a fresh Python (with ``env`` set) that has imported torch, kernel and the
+    test helpers and names the device ``device``; returns the finished process."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = (f"import sys\nsys.path[:0] = [{os.path.dirname(tests)!r}, {tests!r}]\n"
+              f"import torch\nimport kernel\nfrom helpers import expected_values, quantize\ndevice = {device!r}\n" + body)
+    return subprocess.run([sys.executable, "-c", script], env=dict(os.environ, **env), capture_output=True, text=True,
+                          timeout=300)
 
 
 def test_plans_alive_at_interpreter_exit(device):
     """A plan's weakref callback may run after the module's globals are gone: no error at exit."""
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script = EXIT_SCRIPT.format(root=os.path.dirname(tests), tests=tests, device=device)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    result = run_in_new_process(
+        "packed, state = quantize((64, 64), device=device)\n"
+        "kernel.dequantize_nf4(packed, state)  # a kept plan\n"
+        "plan = kernel._launch_plan(packed, state)  # and one that is not\n"
+        "# Held by the module itself, so the state dies while the module's globals are being cleared.\n"
+        "kernel._held_until_exit = (packed, state, plan)\n", device)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Exception ignored" not in result.stderr, result.stderr[-3000:]
 
 
-def test_plans_switched_off(tmp_path):
+def test_plans_switched_off(device):
     """NF4_TRITON_PLANS=0: every call validates and launches through Triton; no plan is kept."""
-    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
-            "import torch, kernel\n"
-            "from helpers import expected_values, quantize\n"
-            "packed, state = quantize((33, 130), dtype=torch.bfloat16, device='cuda' if torch.cuda.is_available() else 'cpu')\n"
-            "outs = [kernel.dequantize_nf4(packed, state) for _ in range(3)]\n"
-            "assert all(torch.equal(out.view(torch.int16), expected_values(packed, state).view(torch.int16)) for out in outs)\n"
-            "assert not kernel.PLANS_ENABLED and not kernel._PLANS\n"
-            "print('ok')\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, NF4_TRITON_PLANS="0")
-    result = subprocess.run([sys.executable, "-c", code, root, os.path.join(root, "tests")], env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = run_in_new_process(
+        "packed, state = quantize((33, 130), dtype=torch.bfloat16, device=device)\n"
+        "outs = [kernel.dequantize_nf4(packed, state) for _ in range(3)]\n"
+        "assert all(torch.equal(out.view(torch.int16), expected_values(packed, state).view(torch.int16)) for out in outs)\n"
+        "assert not kernel.PLANS_ENABLED and not kernel._PLANS\n"
+        "print('ok')\n", device, NF4_TRITON_PLANS="0")
     assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
