@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 from tqdm.auto import tqdm
 
+import fastpath
 import kernel
 
 SHAPES = [(4096, 1024), (1024, 4096), (8192, 2048), (2048, 8192), (14336, 4096), (4096, 14336), (28672, 8192)]
@@ -118,10 +119,10 @@ def _expand_floor_kernel(
 def _floor_launch(packed, state):
     """(packed bytes per program, warps, output eviction hint): the tile, warps and store hint
     ``kernel.py`` picks for this weight."""
-    variant, num_warps, _, _ = kernel._launch_setup(packed, state.dtype, math.prod(state.shape), state.blocksize,
-                                                    state.state2.blocksize, True, False, {})
-    per_program = max(variant["BYTES_PER_PROGRAM"], state.blocksize // 2)
-    return per_program, num_warps, "evict_first" if variant["STREAM_STORES"] else ""
+    launch = kernel.choose_launch(packed, state.dtype, math.prod(state.shape), blocksize=state.blocksize,
+                                  blocksize2=state.state2.blocksize, nested=True, fp4=False)
+    per_program = max(launch.constexprs["BYTES_PER_PROGRAM"], state.blocksize // 2)
+    return per_program, launch.num_warps, "evict_first" if launch.constexprs["STREAM_STORES"] else ""
 
 
 def expand_floor(packed, state, launch=None):
@@ -366,7 +367,7 @@ def harness_floor():
     first_out = torch.empty(1, device="cuda")
     compiled = _empty_kernel[(1,)](first_out, first_out)
     pointer = first_out.data_ptr()
-    launch = kernel._kernel_launcher(compiled, 1, (), (), torch._C._cuda_getCurrentRawStream(first_out.device.index),
+    launch = fastpath.kernel_launcher(compiled, 1, (), (), torch._C._cuda_getCurrentRawStream(first_out.device.index),
                                      pointer, pointer)
 
     def fx(layer):
@@ -529,7 +530,7 @@ def bench_compile(shapes, dtypes, rounds, rooflines, meta, log):
                 samples[name].append(do_bench(fn)[0])
                 host_samples[name].append(host_time_per_call(fn))
         first = len(rows)
-        kernel_ms = gpu_times(modes, only="_dequantize_4bit_kernel")
+        kernel_ms = gpu_times(modes, only="dequantize_4bit_kernel")
         for name in modes:
             rows.append(timing_row(meta, "compile", shape, dtype_name, name, summarize(samples[name]),
                                    rooflines["do_bench"]))
@@ -637,13 +638,34 @@ def config_label(config):
             f"hints={config['EVICTION_HINTS']} tables={tables} loads={loads}")
 
 
+def best_launch_config(sweep_rows):
+    """The swept configuration with everything on (inline PTX, eviction hints, automatic loads)
+    that is fastest over all swept weights by GPU time: (LaunchConfig, its label, its geometric-mean
+    slowdown against each weight's fastest configuration)."""
+    candidates = {config_label(config): config for config in SWEEP_CONFIGS
+                  if config["USE_ASM"] and config["EVICTION_HINTS"] and config.get("WORD_LOADS", True)}
+    rows = [row for row in sweep_rows if row["kind"] == "sweep-gpu"]
+    fastest = {}
+    for row in rows:
+        weight = (row["shape"], row["dtype"])
+        fastest[weight] = min(fastest.get(weight, math.inf), row["median_us"])
+    slowdowns = {}
+    for row in rows:
+        if row["implementation"] in candidates:
+            slowdowns.setdefault(row["implementation"], []).append(row["median_us"] / fastest[(row["shape"], row["dtype"])])
+    scores = {label: math.prod(values) ** (1 / len(values)) for label, values in slowdowns.items()}
+    label = min(scores, key=scores.get)
+    config = candidates[label]
+    return kernel.LaunchConfig(config["BYTES_PER_PROGRAM"], config["num_warps"], config["SHARED_TABLES"]), label, scores[label]
+
+
 def bench_sweep(shapes, dtypes, rooflines, meta, log):
     """Every SWEEP_CONFIGS entry on each weight (launch plans: no validation in the timing), one
     do_bench sample each, and each configuration's GPU time per call (profiler, 30 calls)."""
     rows = []
     for dtype_name, shape, packed, state in tqdm(weights(shapes, dtypes), desc="sweep", total=len(shapes) * len(dtypes)):
         expected = kernel.dequantize_nf4(packed, state)
-        launches = {config_label(config): functools.partial(kernel._launch_plan(packed, state, **config).launch, packed)
+        launches = {config_label(config): functools.partial(kernel.build_plan(packed, state, **config).launch, packed)
                     for config in SWEEP_CONFIGS}
         for label, fn in launches.items():
             assert torch.equal(fn(), expected), label
@@ -684,14 +706,10 @@ def plot(folder):
             ax.set_title(f"{dtype}: % of device copy bandwidth ({timing})")
             ax.set_ylabel("% of copy roofline")
             ax.get_legend().remove()  # one legend below the panels: inside one it covers the small shapes' bars
-        handles, labels = axes.flat[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
-        fig.suptitle(f"{meta['gpu']} | torch {meta['torch_version']} | triton {meta['triton_version']} | "
-                     f"bnb {meta['bitsandbytes_version']} | unsloth {meta['unsloth_version']}", fontsize=9)
-        fig.tight_layout(rect=(0, 0.04, 1, 1))
-        written.append(os.path.join(folder, "kernel_roofline.png"))
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        title = (f"{meta['gpu']} | torch {meta['torch_version']} | triton {meta['triton_version']} | "
+                 f"bnb {meta['bitsandbytes_version']} | unsloth {meta['unsloth_version']}")
+        written.append(_save_with_legend_below(plt, fig, axes, os.path.join(folder, "kernel_roofline.png"), title,
+                                               ncol=None, fontsize=9, bottom=0.04, dpi=110))
     sweep_csv = os.path.join(folder, "sweep.csv")
     if os.path.exists(sweep_csv):
         frame = pd.read_csv(sweep_csv)
@@ -712,18 +730,25 @@ def plot(folder):
             ax.set_title(f"{shape} {dtype} (best {best:.2f} us)")
             ax.set_xlabel("packed bytes per program")
             ax.set_ylabel("GPU time per call, us (profiler)" if kind == "sweep-gpu" else "us (do_bench, L2 flushed)")
-        handles, labels = axes.flat[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
-        fig.suptitle(f"Launch sweep on {frame.iloc[0]['gpu']} (triton {frame.iloc[0]['triton_version']}); "
-                     "y axis up to 1.3x each shape's best", fontsize=10)
-        fig.tight_layout(rect=(0, 0.08, 1, 1))
-        written.append(os.path.join(folder, "sweep.png"))
-        fig.savefig(written[-1], dpi=100)
-        plt.close(fig)
+        title = (f"Launch sweep on {frame.iloc[0]['gpu']} (triton {frame.iloc[0]['triton_version']}); "
+                 "y axis up to 1.3x each shape's best")
+        written.append(_save_with_legend_below(plt, fig, axes, os.path.join(folder, "sweep.png"), title, ncol=3,
+                                               fontsize=10, bottom=0.08, dpi=100))
     model_csv = os.path.join(folder, "model.csv")
     if os.path.exists(model_csv):
         written.append(plot_model(pd.read_csv(model_csv), os.path.join(folder, "model.png"), plt))
     return written
+
+
+def _save_with_legend_below(plt, fig, axes, path, title, *, ncol, fontsize, bottom, dpi):
+    """One legend for all panels below them (``ncol`` None: one row), the title, the file; returns its path."""
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=ncol or len(labels), fontsize=8)
+    fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
 
 
 def plot_model(frame, path, plt):

@@ -1,13 +1,14 @@
 """QLoRA under FSDP on several GPUs: bitsandbytes' own Linear4bit against the drop-in, one job.
 
     torchrun --nproc_per_node 2 fsdp_qlora.py [--sizes 2048x5632x4,4096x14336x2] [--steps 20]
-                                              [--plan-steps 1000] [--out results]
+                                              [--plan-steps 1000] [--fsdp 1|2] [--out results]
 
 The path PEFT, Accelerate and TRL document for FSDP QLoRA: the model of modelbench.py (random
 weights saved offline) loaded in 4-bit NF4 with ``bnb_4bit_quant_storage=torch.bfloat16`` so that
 FSDP can flatten and shard the packed bytes with the rest, PEFT LoRA r=16 on every linear layer,
 FSDP (PyTorch's FSDP1, ``use_orig_params=False``, PEFT's ``fsdp_auto_wrap_policy``: each decoder
-layer a unit, each LoRA layer a unit of its own, bf16 mixed precision), AdamW, fixed random token
+layer a unit, each LoRA layer a unit of its own, bf16 mixed precision; ``--fsdp 2``: FSDP2's
+``fully_shard`` on each decoder layer and the root, bf16 parameters and reductions), AdamW, fixed random token
 batches (each rank its own), LoRA weights in bf16. Each contender trains from the same LoRA initialisation on the same
 batches: losses per step and the first step's LoRA gradients are compared, and every rank's frozen
 shards (the 4-bit weights among them) must be bit-for-bit what they were before training. Then the
@@ -27,6 +28,7 @@ import torch
 
 import bench
 import dropin
+import fastpath
 import kernel
 import modelbench
 
@@ -41,6 +43,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="training steps per contender")
     parser.add_argument("--plan-steps", type=int, default=1000,
                         help="more steps with the drop-in, every dequantization checked (first size only)")
+    parser.add_argument("--fsdp", type=int, choices=(1, 2), default=1,
+                        help="1: FullyShardedDataParallel (use_orig_params=False); 2: fully_shard")
     parser.add_argument("--out", default="results", help="folder for CSVs (a per-GPU subfolder is made)")
     args = parser.parse_args(argv)
     args.sizes = args.sizes.split(",")
@@ -66,7 +70,18 @@ def batch(step, rank, vocab_size, device):
     return torch.randint(0, vocab_size, TOKENS, device=device, generator=generator)
 
 
-def wrap(model):
+FSDP_FLAVOURS = {1: "FSDP1 use_orig_params=False", 2: "FSDP2 fully_shard"}
+
+
+def wrap(model, flavour=1):
+    """The model sharded by FSDP1 (PEFT's auto-wrap policy) or FSDP2 (each decoder layer, then the root)."""
+    if flavour == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        for layer in model.get_base_model().model.layers:
+            fully_shard(layer, mp_policy=policy)
+        return fully_shard(model, mp_policy=policy)
     from peft.utils.other import fsdp_auto_wrap_policy
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
@@ -78,21 +93,19 @@ def wrap(model):
 
 class CheckedDequantize:
     """The kernel's dequantization, each result compared with the validating path's (``out=``
-    takes no plan) and the plans counted."""
+    takes no plan) and the plans counted: a call that kept a new plan missed the fast path."""
 
     def __init__(self):
         self.calls = self.misses = self.stale = self.most_plans = 0
-        self._validating = kernel._dequantize
-
-    def validating(self, *args, **kwargs):
-        self.misses += 1
-        return self._validating(*args, **kwargs)
 
     def __call__(self, packed, quant_state):
         self.calls += 1
+        kept = fastpath.stats()["kept"]
         got = kernel.dequantize_nf4(packed, quant_state)
-        self.most_plans = max(self.most_plans, len(kernel._PLANS))
-        expected = self._validating(packed, quant_state, torch.empty(got.shape, dtype=got.dtype, device=got.device))
+        plans = fastpath.stats()
+        self.misses += plans["kept"] - kept
+        self.most_plans = max(self.most_plans, plans["live"])
+        expected = kernel.dequantize_nf4(packed, quant_state, out=torch.empty(got.shape, dtype=got.dtype, device=got.device))
         if not torch.equal(got.view(torch.int16), expected.view(torch.int16)):
             self.stale += 1
         return got
@@ -103,9 +116,19 @@ def frozen_weights(model):
     rank's shard. Bytes, not values: packed 4-bit weights stored as bf16 hold NaN patterns."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    with FullyShardedDataParallel.summon_full_params(model, writeback=False):
-        return {name: p.detach().contiguous().view(torch.uint8).clone()
+    def whole_bytes():
+        return {name: whole(p.detach()).contiguous().view(torch.uint8).clone()
                 for name, p in model.named_parameters() if "lora_" not in name}
+
+    if isinstance(model, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+            return whole_bytes()
+    return whole_bytes()
+
+
+def whole(tensor):
+    """An FSDP2 parameter or gradient (a DTensor) gathered whole; any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def changed_weights(before, after):
@@ -115,7 +138,7 @@ def changed_weights(before, after):
         f"+{name}" for name in after if name not in before]
 
 
-def train(folder, contender, steps, rank, world, plan_steps=0):
+def train(folder, contender, steps, rank, world, plan_steps=0, flavour=1):
     """One contender's run; returns its record (rank's own numbers)."""
     model = modelbench.load_4bit(folder, torch.bfloat16, device_map={"": rank}, quant_storage=torch.bfloat16)
     torch.manual_seed(0)
@@ -125,7 +148,7 @@ def train(folder, contender, steps, rank, world, plan_steps=0):
     for parameter in model.parameters():
         if parameter.requires_grad:
             parameter.data = parameter.data.to(torch.bfloat16)
-    model = wrap(model)
+    model = wrap(model, flavour)
     if contender != "bitsandbytes":
         dropin.enable(model)
     frozen = frozen_weights(model)
@@ -143,7 +166,7 @@ def train(folder, contender, steps, rank, world, plan_steps=0):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         if step == 0:
-            grads = [p.grad.detach().clone() for p in trainable if p.grad is not None]
+            grads = [whole(p.grad.detach()).clone() for p in trainable if p.grad is not None]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
@@ -162,17 +185,13 @@ def train(folder, contender, steps, rank, world, plan_steps=0):
         checked = CheckedDequantize()
         dropin.disable(model)
         dropin.enable(model, dequantize=checked)
-        kernel._dequantize, original = checked.validating, kernel._dequantize
-        try:
-            for step in range(plan_steps):
-                ids = batch(steps + step, rank, vocab, device)
-                model(input_ids=ids, labels=ids).loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        finally:
-            kernel._dequantize = original
+        for step in range(plan_steps):
+            ids = batch(steps + step, rank, vocab, device)
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         record.update(plan_calls=checked.calls, plan_misses=checked.misses, stale_results=checked.stale,
-                      most_live_plans=checked.most_plans, live_plans_after=len(kernel._PLANS))
+                      most_live_plans=checked.most_plans, live_plans_after=fastpath.stats()["live"])
     del model, optimizer
     gc.collect()  # the model's reference cycles, before the next run's peak is measured
     torch.cuda.empty_cache()
@@ -198,7 +217,8 @@ def main(argv=None):
         runs = list(CONTENDERS) + (["bitsandbytes (again)"] if index == 0 else [])
         for contender in runs:
             plan_steps = args.plan_steps if contender == "nf4-triton" and index == 0 else 0
-            records[contender] = train(folder, contender.split(" ")[0], args.steps, rank, world, plan_steps)
+            records[contender] = train(folder, contender.split(" ")[0], args.steps, rank, world, plan_steps,
+                                       args.fsdp)
         reference = records["bitsandbytes"]
         for contender, record in records.items():
             equal, largest, first = compare_losses(reference["losses"], record["losses"])
@@ -214,7 +234,7 @@ def main(argv=None):
             row = dict(gpu=torch.cuda.get_device_name(), world_size=world,
                        timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        torch_version=torch.__version__, **versions(), model=size, implementation=contender,
-                       fsdp="FSDP1 use_orig_params=False", steps=args.steps, tokens_per_step=world * TOKENS[0] * TOKENS[1],
+                       fsdp=FSDP_FLAVOURS[args.fsdp], steps=args.steps, tokens_per_step=world * TOKENS[0] * TOKENS[1],
                        median_step_ms=record["step_ms"], p20_step_ms=record["step_ms_p20"],
                        p80_step_ms=record["step_ms_p80"],
                        tokens_per_s=world * TOKENS[0] * TOKENS[1] / record["step_ms"] * 1e3,

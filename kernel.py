@@ -21,6 +21,10 @@ Bit-exactness rests on four facts, each tested on the GPU against bitsandbytes:
 - 64-bit offsets are used once the element count passes 2**31 - 1.
 
 Without CUDA (CI, laptops) the same kernel runs on CPU tensors through Triton's interpreter.
+
+The module reads top-down: the kernel and its helpers; the launch choice (named tiers per GPU, a
+pure function of the weight and the device's facts); validation; launching; the public API; the
+torch.library operator that torch.compile sees. The per-call fast path lives in ``fastpath.py``.
 """
 
 import contextlib
@@ -31,21 +35,32 @@ import os
 import struct
 import threading
 import typing
-import weakref
 
 import torch
+import triton
+import triton.language as tl
 
-if not torch.cuda.is_available():
-    # Triton picks its interpreter when ``@triton.jit`` runs (read from the environment at that
-    # moment), so setting it here works even if another package imported triton first.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import fastpath
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+__all__ = ["dequantize_nf4", "your_dequantize_nf4", "build_plan", "set_launch_config", "launch_config",
+           "kernel_variant", "choose_launch", "device_facts", "LaunchConfig", "LaunchTier", "Launch", "KernelArgs",
+           "dequantize_4bit_kernel"]
 
-__all__ = ["dequantize_nf4", "your_dequantize_nf4", "set_launch_config", "launch_config", "LaunchConfig", "LaunchTier"]
+# Without CUDA, CPU tensors through Triton's interpreter. The interpreter is chosen here for this
+# module's kernels alone: TRITON_INTERPRET is read, never set, so other Triton code in the process
+# is left as the user configured it (TRITON_INTERPRET=1 or 0 still forces either).
+_INTERPRET_ENV = os.environ.get("TRITON_INTERPRET")
+INTERPRET = (_INTERPRET_ENV not in ("", "0")) if _INTERPRET_ENV is not None else not torch.cuda.is_available()
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+def _jit(fn):
+    """``triton.jit``, or Triton's interpreter for ``fn`` when INTERPRET."""
+    if INTERPRET:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(fn)
+    return triton.jit(fn)
+
 
 OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -55,14 +70,14 @@ _INT32_MAX = 2**31 - 1
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
-@triton.jit
+@_jit
 def _flush_subnormal(x):
     """A subnormal fp32 becomes a zero of the same sign, as the hardware's ``.ftz`` does."""
     bits = x.to(tl.uint32, bitcast=True)
     return tl.where((bits & 0x7F800000) == 0, bits & 0x80000000, bits).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@_jit
 def _mul_ftz(a, b, USE_ASM: tl.constexpr):
     """fp32 product rounded once, subnormal inputs and result flushed to signed zero: the
     multiply of bitsandbytes' CUDA kernels (built with ``--use_fast_math``). The PTX form can
@@ -75,7 +90,7 @@ def _mul_ftz(a, b, USE_ASM: tl.constexpr):
         return _flush_subnormal(_flush_subnormal(a) * _flush_subnormal(b))
 
 
-@triton.jit
+@_jit
 def _add_rn(a, b, USE_ASM: tl.constexpr):
     """fp32 sum rounded once, subnormals kept: the offset is added by PyTorch, not by a fast-math
     kernel (see ``_mul_ftz``)."""
@@ -87,7 +102,7 @@ def _add_rn(a, b, USE_ASM: tl.constexpr):
         return a + b
 
 
-@triton.jit
+@_jit
 def _lookup(table_ptr, indices, TABLE_SIZE: tl.constexpr, TABLE_HINT: tl.constexpr, SHARED_TABLES: tl.constexpr):
     """table[indices] for an fp32 table of TABLE_SIZE entries: gathered from global memory, or
     with SHARED_TABLES the table is loaded whole (independently of the indices) and looked up
@@ -99,7 +114,7 @@ def _lookup(table_ptr, indices, TABLE_SIZE: tl.constexpr, TABLE_HINT: tl.constex
         return tl.load(table_ptr + indices, eviction_policy=TABLE_HINT)
 
 
-@triton.jit
+@_jit
 def _decode(codes, scale, code_ptr, TABLE_HINT: tl.constexpr, FP4: tl.constexpr, USE_ASM: tl.constexpr,
             SHARED_TABLES: tl.constexpr):
     """fp32 weights from int32 4-bit codes and their block scales (same shape)."""
@@ -112,7 +127,7 @@ def _decode(codes, scale, code_ptr, TABLE_HINT: tl.constexpr, FP4: tl.constexpr,
     return _mul_ftz(values, scale, USE_ASM)
 
 
-@triton.jit
+@_jit
 def _fp32_to_bf16_rne(x):
     """Round fp32 to bf16, nearest even, with integer operations only (NaN stays NaN)."""
     bits = x.to(tl.uint32, bitcast=True)
@@ -122,8 +137,8 @@ def _fp32_to_bf16_rne(x):
     return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
-@triton.jit
-def _dequantize_4bit_kernel(
+@_jit
+def dequantize_4bit_kernel(
     # inputs
     packed_ptr,  # uint8 [ceil(n_elements / 2)], two 4-bit codes per byte, high nibble first
     absmax_ptr,  # uint8 [n_blocks] when NESTED, else fp32 [n_blocks]
@@ -212,7 +227,7 @@ def _dequantize_4bit_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Launch configuration
+# Launch choice
 # --------------------------------------------------------------------------------------------
 MiB = 1 << 20
 
@@ -295,7 +310,7 @@ def set_launch_config(bytes_per_program=None, num_warps=None, shared_tables=Fals
                  f"set_launch_config: Triton {triton.__version__} cannot compile the shared-memory codebook lookup "
                  "(3.4 or later can)")
         _launch_override = LaunchConfig(bytes_per_program, num_warps, shared_tables)
-    _PLANS.clear()  # plans hold kernels compiled for the old configuration
+    fastpath.PLANS.clear()  # plans hold kernels compiled for the old configuration
 
 
 # evict_first on the output's stores pays only for outputs of several L2 sizes: on the H100
@@ -304,22 +319,18 @@ def set_launch_config(bytes_per_program=None, num_warps=None, shared_tables=Fals
 STREAM_STORES_L2_MULTIPLE = 4
 
 
-def kernel_variant(out_dtype, *, nested, fp4=False, blocksize=64, blocksize2=256, n_elements=0, word_aligned=True,
-                   use_asm=None, bf16_via_int=None, capability=None, l2_bytes=None, bytes_per_program=None,
-                   eviction_hints=True, shared_tables=None):
-    """The constexpr arguments of one kernel variant (also used by the AOT compile test).
-    ``word_aligned``: the packed bytes start on a 4-byte boundary; ``capability`` and ``l2_bytes``
-    default to the current device's."""
-    if capability is None or l2_bytes is None:
-        device_capability, device_l2_bytes = _device_facts()
-        capability = device_capability if capability is None else capability
-        l2_bytes = device_l2_bytes if l2_bytes is None else l2_bytes
+def kernel_variant(out_dtype, *, nested, capability, l2_bytes, fp4=False, blocksize=64, blocksize2=256, n_elements=0,
+                   word_aligned=True, use_asm=None, bf16_via_int=None, bytes_per_program=None, eviction_hints=True,
+                   shared_tables=None):
+    """The constexpr arguments of one kernel variant, from the weight and the device's facts
+    (``device_facts``; the AOT compile test passes other GPUs'). ``word_aligned``: the packed bytes
+    start on a 4-byte boundary. A pure function but for ``set_launch_config``'s override."""
     if bytes_per_program is None or shared_tables is None:
         tier_bytes_per_program, _, tier_shared_tables = launch_config(capability, (n_elements + 1) // 2)
         bytes_per_program = tier_bytes_per_program if bytes_per_program is None else bytes_per_program
         shared_tables = tier_shared_tables if shared_tables is None else shared_tables
     if use_asm is None:
-        use_asm = not INTERPRET and _is_nvidia()
+        use_asm = not INTERPRET and torch.version.hip is None
     if bf16_via_int is None:
         bf16_via_int = INTERPRET or capability < (8, 0)
     return dict(
@@ -345,15 +356,13 @@ def compile_options(use_asm):
     return {"enable_fp_fusion": bool(use_asm)}
 
 
-def _is_nvidia():
-    return torch.cuda.is_available() and torch.version.hip is None
-
 
 _DEVICE_FACTS = {}
 
 
-def _device_facts(device=None):
-    """(compute capability, L2 bytes) of a CUDA device; ((0, 0), 0) without one."""
+def device_facts(device=None):
+    """(compute capability, L2 bytes) of a CUDA device (default: the current one); ((0, 0), 0)
+    without one."""
     if INTERPRET or not torch.cuda.is_available():
         return (0, 0), 0
     index = torch.cuda.current_device() if device is None or device.index is None else device.index
@@ -363,8 +372,44 @@ def _device_facts(device=None):
     return _DEVICE_FACTS[index]
 
 
+class Launch(typing.NamedTuple):
+    """How one call launches the kernel."""
+
+    constexprs: dict  # the kernel's constexpr arguments (kernel_variant)
+    num_warps: int
+    n_bytes: int  # packed bytes read
+    grid: tuple
+
+
+def choose_launch(packed, dtype, n_elements, *, blocksize, blocksize2, nested, fp4, overrides=None):
+    """The Launch for a packed weight on its device (``overrides``: constexprs and ``num_warps``
+    forced by tests and sweeps)."""
+    overrides = dict(overrides or {})
+    capability, l2_bytes = device_facts(packed.device)
+    n_bytes = (n_elements + 1) // 2
+    config = launch_config(capability, n_bytes)
+    num_warps = overrides.pop("num_warps", config.num_warps)
+    constexprs = kernel_variant(dtype, nested=nested, fp4=fp4, blocksize=blocksize, blocksize2=blocksize2,
+                                n_elements=n_elements, word_aligned=_word_aligned(packed), capability=capability,
+                                l2_bytes=l2_bytes,
+                                bytes_per_program=overrides.pop("BYTES_PER_PROGRAM", config.bytes_per_program),
+                                shared_tables=overrides.pop("SHARED_TABLES", config.shared_tables))
+    constexprs.update(overrides)
+    return Launch(constexprs, num_warps, n_bytes, (triton.cdiv(n_bytes, constexprs["BYTES_PER_PROGRAM"]),))
+
+
+def _word_aligned(packed):
+    """Whether the packed bytes start on a 4-byte boundary. Inside torch.compile the tensors are
+    fake and have no address: there the storage offset decides, and Inductor copies an input
+    that arrives less aligned than the one it compiled for."""
+    try:
+        return packed.data_ptr() % 4 == 0
+    except RuntimeError:
+        return packed.storage_offset() * packed.element_size() % 4 == 0
+
+
 # --------------------------------------------------------------------------------------------
-# Wrapper: validate, allocate, launch
+# Validation
 # --------------------------------------------------------------------------------------------
 def _is_power_of_two(value):
     return isinstance(value, int) and value >= 1 and value & (value - 1) == 0
@@ -500,6 +545,95 @@ def _overlaps(a, b):
             and b_start < a_start + a.numel() * a.element_size())
 
 
+# --------------------------------------------------------------------------------------------
+# Launching
+# --------------------------------------------------------------------------------------------
+class KernelArgs(typing.NamedTuple):
+    """The kernel's runtime arguments, named as the kernel names them and in its order (the
+    constexprs follow them): tensors, which Triton passes as pointers, and two sizes."""
+
+    packed_ptr: torch.Tensor  # the packed bytes, viewed as uint8
+    absmax_ptr: torch.Tensor
+    code_ptr: torch.Tensor
+    absmax2_ptr: torch.Tensor
+    code2_ptr: torch.Tensor
+    offset_ptr: torch.Tensor
+    out_ptr: torch.Tensor
+    n_elements: int
+    n_bytes: int
+
+    @classmethod
+    def of(cls, packed, tables, out, n_elements, n_bytes):
+        """From a validated weight: its packed tensor, its (absmax, code, absmax2, code2, offset)."""
+        return cls(packed, *tables, out, n_elements, n_bytes)
+
+    def around_out(self):
+        """(the arguments between packed_ptr and out_ptr, those after out_ptr): what a launch plan
+        passes unchanged, tensors as addresses."""
+        values = tuple(value.data_ptr() if isinstance(value, torch.Tensor) else value for value in self)
+        out_at = self._fields.index("out_ptr")
+        return values[1:out_at], values[out_at + 1:]
+
+
+# Triton's interpreter keeps the grid and the program index process-wide: one launch at a time.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _interpret(launch, args):
+    """The kernel through Triton's interpreter (CPU tensors), one launch at a time."""
+    with _INTERPRETER_LOCK:
+        dequantize_4bit_kernel[launch.grid](*args, num_warps=launch.num_warps, **launch.constexprs)
+
+
+def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4, **overrides):
+    """Launch through Triton's JIT; return f(stream, packed_ptr, out_ptr) that launches the same
+    again for packed bytes at another address of the same 16-byte alignment (Triton specializes
+    the kernel on it) and another output (a launch plan's)."""
+    launch = choose_launch(packed, out.dtype, n_elements, blocksize=blocksize, blocksize2=blocksize2, nested=nested,
+                           fp4=fp4, overrides=overrides)
+    args = KernelArgs.of(packed, tables, out, n_elements, launch.n_bytes)
+    if INTERPRET:
+        _interpret(launch, args)
+        return _interpreter_launcher(launch, args)
+    head, tail = args.around_out()
+    # Triton launches on the current device: switch only when the weight lives on another one.
+    switch = out.device.index != torch.cuda.current_device()
+    with torch.cuda.device(out.device) if switch else contextlib.nullcontext():
+        compiled = dequantize_4bit_kernel[launch.grid](*args, num_warps=launch.num_warps, **launch.constexprs,
+                                                       **compile_options(launch.constexprs["USE_ASM"]))
+        stream = torch._C._cuda_getCurrentRawStream(out.device.index)
+        constexprs = tuple(launch.constexprs[name] for name in dequantize_4bit_kernel.arg_names[len(args):])
+        return fastpath.kernel_launcher(compiled, launch.grid[0], head, tail + constexprs, stream, packed.data_ptr(),
+                                        out.data_ptr())
+
+
+def _interpreter_launcher(launch, args):
+    """f(stream, packed_ptr, out_ptr) for CPU tensors: the interpreter's kernel over the recorded
+    addresses (wrapped as tensors again, as the GPU's launch passes them), like the GPU's plans."""
+    recorded = KernelArgs(*((arg.data_ptr(), arg.dtype, arg.numel()) if isinstance(arg, torch.Tensor) else arg
+                            for arg in args))
+
+    def at_address(address, dtype, numel):
+        memory = (ctypes.c_char * (numel * dtype.itemsize)).from_address(address)
+        return torch.frombuffer(memory, dtype=dtype, count=numel)
+
+    def launch_kernel(stream, packed_ptr, out_ptr):
+        views = KernelArgs(*(at_address(*arg) if isinstance(arg, tuple) else arg for arg in recorded))
+        views = views._replace(packed_ptr=at_address(packed_ptr, *recorded.packed_ptr[1:]),
+                               out_ptr=at_address(out_ptr, *recorded.out_ptr[1:]))
+        _interpret(launch, views)
+
+    return launch_kernel
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+# The per-call fast path (fastpath.py): the plans by id(quant_state), and its on/off switch.
+_PLANS = fastpath.PLANS
+PLANS_ENABLED = fastpath.ENABLED
+
+
 def dequantize_nf4(weight, quant_state=None, *, out=None):
     """Dequantize a bitsandbytes 4-bit weight with one fused Triton launch.
 
@@ -533,8 +667,11 @@ def _dequantize(weight, quant_state, out, **overrides):
     return result
 
 
-def _launch_plan(weight, quant_state, **overrides):
-    """A launch plan for one weight and kernel configuration, not kept (the launch sweep's)."""
+def build_plan(weight, quant_state=None, **overrides):
+    """A ``fastpath.LaunchPlan`` for one weight, validated and launched once, not kept: its
+    ``launch(packed)`` replays the launch with no validation (benchmarks, the launch sweep).
+    ``overrides``: constexprs such as ``BYTES_PER_PROGRAM`` or ``SHARED_TABLES``, and ``num_warps``.
+    None where no plan can be made (an empty weight, launch hooks set, a state without weakrefs)."""
     return _validate_and_launch(weight, quant_state, None, overrides)[1]
 
 
@@ -551,7 +688,7 @@ def _validate_and_launch(weight, quant_state, out, overrides):
                  f"dequantize_nf4: the Triton interpreter runs on CPU tensors, got {packed.device}")
     else:
         _require(packed.device.type != "cpu", "dequantize_nf4: CPU tensors need Triton's interpreter "
-                                              "(set TRITON_INTERPRET=1 before triton is imported)")
+                                              "(set TRITON_INTERPRET=1 before kernel is imported)")
         _require(packed.device.type == "cuda", f"dequantize_nf4: the packed weight must be on a CUDA device, got {packed.device}")
     shape, blocksize, nested, blocksize2, tables = _check_state(packed, qs)
     n_elements = shape.numel()
@@ -578,94 +715,18 @@ def _validate_and_launch(weight, quant_state, out, overrides):
     if n_elements > 0:
         launch = _launch(packed.view(torch.uint8), tables, out, n_elements, blocksize, blocksize2, nested,
                          qs.quant_type == "fp4", **overrides)
-        if plan_wanted and not _launch_hooks_active():
-            plan = _LaunchPlan(packed, qs, shape, blocksize, blocksize2, nested, transpose, tables, launch)
+        if plan_wanted and not fastpath.launch_hooks_active():
+            plan = fastpath.LaunchPlan(packed, qs, shape, blocksize, blocksize2, nested, transpose, tables, launch)
     return (out.t() if transpose else out), plan
 
 
-def _word_aligned(packed):
-    """Whether the packed bytes start on a 4-byte boundary. Inside torch.compile the tensors are
-    fake and have no address: there the storage offset decides, and Inductor copies an input
-    that arrives less aligned than the one it compiled for."""
-    try:
-        return packed.data_ptr() % 4 == 0
-    except RuntimeError:
-        return packed.storage_offset() * packed.element_size() % 4 == 0
+_your_dequantize_nf4 = dequantize_nf4  # an alias: one Python call less per harness call
 
 
-def _launch_setup(packed, dtype, n_elements, blocksize, blocksize2, nested, fp4, overrides):
-    """Constexprs, warps, packed byte count and grid of one launch (overrides: tests, sweeps)."""
-    overrides = dict(overrides)
-    capability, l2_bytes = _device_facts(packed.device)
-    n_bytes = (n_elements + 1) // 2
-    bytes_per_program, num_warps, shared_tables = launch_config(capability, n_bytes)
-    num_warps = overrides.pop("num_warps", num_warps)
-    variant = kernel_variant(dtype, nested=nested, fp4=fp4, blocksize=blocksize, blocksize2=blocksize2,
-                             n_elements=n_elements, word_aligned=_word_aligned(packed), capability=capability,
-                             l2_bytes=l2_bytes,
-                             bytes_per_program=overrides.pop("BYTES_PER_PROGRAM", bytes_per_program),
-                             shared_tables=overrides.pop("SHARED_TABLES", shared_tables))
-    variant.update(overrides)
-    return variant, num_warps, n_bytes, (triton.cdiv(n_bytes, variant["BYTES_PER_PROGRAM"]),)
-
-
-def _kernel_args(packed, tables, out, n_elements, n_bytes):
-    """The kernel's positional arguments, in its order (out_ptr at _OUT_ARG)."""
-    absmax, code, absmax2, code2, offset = tables
-    return packed, absmax, code, absmax2, code2, offset, out, n_elements, n_bytes
-
-
-_OUT_ARG = 6  # position of out_ptr in _kernel_args
-
-# Triton's interpreter keeps the grid and the program index process-wide: one launch at a time.
-_INTERPRETER_LOCK = threading.Lock()
-
-
-def _interpret(grid, args, num_warps, variant):
-    """The kernel through Triton's interpreter (CPU tensors), one launch at a time."""
-    with _INTERPRETER_LOCK:
-        _dequantize_4bit_kernel[grid](*args, num_warps=num_warps, **variant)
-
-
-def _launch(packed, tables, out, n_elements, blocksize, blocksize2, nested, fp4, **overrides):
-    """Launch through Triton's JIT; return f(stream, packed_ptr, out_ptr) that launches the same
-    again for packed bytes at another address of the same 16-byte alignment (Triton specializes
-    the kernel on it) and another output (a launch plan's)."""
-    variant, num_warps, n_bytes, grid = _launch_setup(packed, out.dtype, n_elements, blocksize, blocksize2,
-                                                      nested, fp4, overrides)
-    args = _kernel_args(packed, tables, out, n_elements, n_bytes)
-    pointers = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
-    head, out_ptr, tail = pointers[1:_OUT_ARG], pointers[_OUT_ARG], pointers[_OUT_ARG + 1:]
-    if INTERPRET:
-        _interpret(grid, args, num_warps, variant)
-        return _interpreter_launcher(grid, args, num_warps, variant)
-    # Triton launches on the current device: switch only when the weight lives on another one.
-    switch = out.device.index != torch.cuda.current_device()
-    with torch.cuda.device(out.device) if switch else contextlib.nullcontext():
-        compiled = _dequantize_4bit_kernel[grid](*args, num_warps=num_warps, **variant,
-                                                 **compile_options(variant["USE_ASM"]))
-        stream = torch._C._cuda_getCurrentRawStream(out.device.index)
-        constexprs = tuple(variant[name] for name in _dequantize_4bit_kernel.arg_names[len(args):])
-        return _kernel_launcher(compiled, grid[0], head, tail + constexprs, stream, pointers[0], out_ptr)
-
-
-def _interpreter_launcher(grid, args, num_warps, variant):
-    """f(stream, packed_ptr, out_ptr) for CPU tensors: the interpreter's kernel over the recorded
-    addresses (wrapped as tensors again, as the GPU's launch passes them), like the GPU's plans."""
-    recorded = [(arg.data_ptr(), arg.dtype, arg.numel()) if isinstance(arg, torch.Tensor) else arg for arg in args]
-    out_dtype, out_numel = recorded[_OUT_ARG][1:]
-
-    def at_address(address, dtype, numel):
-        memory = (ctypes.c_char * (numel * dtype.itemsize)).from_address(address)
-        return torch.frombuffer(memory, dtype=dtype, count=numel)
-
-    def launch(stream, packed_ptr, out_ptr):
-        views = [at_address(*arg) if isinstance(arg, tuple) else arg for arg in recorded]
-        views[0] = at_address(packed_ptr, *recorded[0][1:])
-        views[_OUT_ARG] = at_address(out_ptr, out_dtype, out_numel)
-        _interpret(grid, views, num_warps, variant)
-
-    return launch
+def your_dequantize_nf4(layer):
+    """The challenge's entry point: the layer's module form, which reads the packed weight and
+    its state with Params4bit's __torch_function__ disabled (``dequantize_nf4``)."""
+    return _your_dequantize_nf4(layer)
 
 
 # --------------------------------------------------------------------------------------------
@@ -702,15 +763,16 @@ def _dequantize_op(
     n_elements = out.numel()
     if n_elements == 0:
         return out
-    variant, num_warps, n_bytes, grid = _launch_setup(packed, dtype, n_elements, blocksize, blocksize2,
-                                                      nested, fp4, {})
-    args = _kernel_args(packed, (absmax, code, absmax2, code2, offset), out, n_elements, n_bytes)
+    launch = choose_launch(packed, dtype, n_elements, blocksize=blocksize, blocksize2=blocksize2, nested=nested,
+                           fp4=fp4)
+    args = KernelArgs.of(packed, (absmax, code, absmax2, code2, offset), out, n_elements, launch.n_bytes)
     if INTERPRET:  # the interpreter's kernel is launched as it is (older torch refuses to wrap it)
-        _interpret(grid, args, num_warps, variant)
+        _interpret(launch, args)
     else:
         # Inside a graph the inline-PTX path is used whenever it exists, so no compile option is
         # needed to keep the scale free of FMAs (wrap_triton passes no compile options).
-        torch.library.wrap_triton(_dequantize_4bit_kernel)[grid](*args, num_warps=num_warps, **variant)
+        torch.library.wrap_triton(dequantize_4bit_kernel)[launch.grid](*args, num_warps=launch.num_warps,
+                                                                       **launch.constexprs)
     return out
 
 
@@ -727,221 +789,3 @@ if INTERPRET:
 else:
     # triton_op: Inductor traces the body and sees (and launches) the Triton kernel itself.
     torch.library.triton_op("nf4_triton::dequantize", _dequantize_op, mutates_args=())
-
-
-# --------------------------------------------------------------------------------------------
-# Launch plans: the per-call fast path
-# --------------------------------------------------------------------------------------------
-# A validated call leaves a plan keyed by id(quant_state), one per state. The next call with that
-# state checks that nothing the launch read changed: the state is the same object; every table has
-# the address, dtype and size recorded (a table rebound, `.data` replaced, `set_` or `resize_` all
-# show there); the packed weight has the byte count, 16-byte alignment and device recorded (its
-# address is passed at launch); the state's scalars are equal. Then it allocates
-# the output and launches the compiled kernel directly, on the weight's device whichever is
-# current, skipping validation and Triton's argument binding. The kernel reads the bytes on every
-# call, so a weight re-quantized in place is served fresh; anything else takes the validating
-# path, which replaces the plan. A plan holds no tensor: the state holds the tables it checks.
-#
-# It relies on Triton internals: a compiled kernel's `run`, `function` and `packed_metadata`, the
-# launcher's C `launch` and its forwarding call (recorded, `_direct_launch`), the launch hooks of
-# Triton 3.3 and of 3.4 on; and on torch's current-stream, device and allocation entries. It ran on
-# the GPU under Triton 3.3.1 to 3.9.0 (README, Triton versions). NF4_TRITON_PLANS=0 turns it off:
-# every call validates and launches through Triton.
-PLANS_ENABLED = os.environ.get("NF4_TRITON_PLANS", "1") != "0"
-_PLANS = {}
-
-# Inductor's allocation entry: an empty CUDA tensor on the current device, past torch.empty's
-# dispatcher (2.1 against 5.0 us per call on the H100 host, NOTES.md item 57).
-try:
-    from torch._C._dynamo.guards import _empty_strided_cuda as _empty_cuda
-except ImportError:
-    def _empty_cuda(size, strides, dtype):
-        return torch.empty_strided(size, strides, dtype=dtype, device="cuda")
-
-
-if hasattr(triton, "knobs"):  # Triton >= 3.4: the hooks are HookChain objects (or a function)
-    _RUNTIME_KNOBS = triton.knobs.runtime
-
-    def _launch_hooks_active():
-        """Whether a profiler set Triton launch hooks (they need Triton's own launch path)."""
-        enter, exit_ = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
-        return bool(getattr(enter, "calls", enter)) or bool(getattr(exit_, "calls", exit_))
-else:  # Triton 3.3: plain attributes of CompiledKernel, None when unset
-    def _launch_hooks_active():
-        """Whether a profiler set Triton launch hooks (they need Triton's own launch path)."""
-        compiled_kernel = triton.compiler.CompiledKernel
-        return compiled_kernel.launch_enter_hook is not None or compiled_kernel.launch_exit_hook is not None
-
-
-def _drop_plan(plans, key, plan_ref):
-    """A state died: forget its plan, unless a newer state already took the key."""
-    plan = plans.get(key)
-    if plan is not None and plan is plan_ref():
-        del plans[key]
-
-
-class _LaunchPlan:
-    __slots__ = ("key", "state_ref", "device", "device_index", "dtype", "size", "strides", "facts", "nested",
-                 "nested_facts", "offset", "transpose", "launch_kernel", "__weakref__")
-
-    def __init__(self, packed, qs, shape, blocksize, blocksize2, nested, transpose, tables, launch_kernel):
-        self.key = id(qs)
-        # The callback's globals are bound now: at interpreter exit a state may die after this
-        # module's globals are gone.
-        self.state_ref = weakref.ref(qs, lambda _, key=self.key, plan=weakref.ref(self), drop=_drop_plan,  # noqa: B008
-                                     plans=_PLANS: drop(plans, key, plan))
-        # The packed bytes may move (FSDP gathers them into new memory every step): the plan takes
-        # any address of the same 16-byte alignment, on which Triton specialized the kernel and the
-        # word loads depend. The kernel reads them as bytes, whatever dtype stores them.
-        self.device, self.device_index = packed.device, packed.device.index
-        self.dtype, self.nested = qs.dtype, nested
-        self.size, self.strides = tuple(shape), torch.empty(shape, device="meta").stride()  # contiguous
-        # What `matches` compares, in its order: the packed weight's alignment, byte count,
-        # contiguity and device (-1: the CPU); the state's fields; (address, dtype, size) of each
-        # table as launched.
-        absmax, code, absmax2, code2, offset = tables
-        self.facts = (packed.data_ptr() % 16, packed.nbytes, True, packed.get_device(),
-                      qs.dtype, shape, blocksize, qs.quant_type, nested,
-                      absmax.data_ptr(), absmax.dtype, absmax.numel(), code.data_ptr(), code.dtype, code.numel())
-        self.nested_facts = ((blocksize2, absmax2.data_ptr(), absmax2.dtype, absmax2.numel(),
-                              code2.data_ptr(), code2.dtype, code2.numel()) if nested else None)
-        # An offset given as a float: its value; as a tensor: its (address, dtype, size).
-        self.offset = ((offset.data_ptr(), offset.dtype, offset.numel()) if isinstance(qs.offset, torch.Tensor)
-                       else qs.offset) if nested else None
-        self.transpose, self.launch_kernel = transpose, launch_kernel
-
-    def keep(self):
-        _PLANS[self.key] = self
-
-    def matches(self, packed, qs):
-        """Whether this plan's launch is the validated call's for (packed, qs)."""
-        try:
-            absmax, code = qs.absmax, qs.code
-            if (self.state_ref() is not qs
-                    or (packed.data_ptr() % 16, packed.nbytes, packed.is_contiguous(), packed.get_device(),
-                        qs.dtype, qs.shape, qs.blocksize, qs.quant_type, qs.nested,
-                        absmax.data_ptr(), absmax.dtype, absmax.numel(),
-                        code.data_ptr(), code.dtype, code.numel()) != self.facts
-                    or (self.device_index is None and not packed.is_cpu)  # get_device() is -1 for meta too
-                    or _launch_hooks_active()):
-                return False
-            if not self.nested:
-                return True
-            state2, offset = qs.state2, qs.offset
-            absmax2, code2 = state2.absmax, state2.code
-            if (state2.blocksize, absmax2.data_ptr(), absmax2.dtype, absmax2.numel(),
-                    code2.data_ptr(), code2.dtype, code2.numel()) != self.nested_facts:
-                return False
-            if isinstance(offset, torch.Tensor):
-                return (offset.data_ptr(), offset.dtype, offset.numel()) == self.offset
-            return offset == self.offset  # given as a number (a tuple recorded never equals one)
-        except (AttributeError, RuntimeError):  # a field gone, or a tensor with no storage (sparse, meta)
-            return False
-
-    def launch(self, packed):
-        index, packed_ptr = self.device_index, packed.data_ptr()
-        if index is None:  # CPU tensors: the interpreter
-            out = torch.empty(size=self.size, dtype=self.dtype, device=self.device)
-            self.launch_kernel(0, packed_ptr, out.data_ptr())
-        elif torch._C._cuda_getDevice() == index:
-            out = _empty_cuda(self.size, self.strides, self.dtype)
-            self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), packed_ptr, out.data_ptr())
-        else:  # Triton launches, and the allocator allocates, on the current device
-            current = torch._C._cuda_getDevice()
-            torch._C._cuda_setDevice(index)
-            try:
-                out = _empty_cuda(self.size, self.strides, self.dtype)
-                self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), packed_ptr, out.data_ptr())
-            finally:
-                torch._C._cuda_setDevice(current)
-        return out.t() if self.transpose else out
-
-
-class _LaunchRecorder:
-    """Stands in for a Triton launcher while the launcher's own ``__call__`` runs: records what it
-    passes to its C launch function instead of launching (the launcher itself, shared by every
-    launch of its kernel, is left untouched)."""
-
-    def __init__(self, launcher):
-        self._launcher = launcher
-        self._forwarded = []
-
-    def __getattr__(self, name):
-        return getattr(self._launcher, name)
-
-    def launch(self, *args):
-        self._forwarded.append(args)
-
-
-def _kernel_launcher(compiled, grid, head, tail, stream, packed_ptr, out_ptr):
-    """f(stream, packed_ptr, out_ptr): launches ``compiled`` on ``grid`` with the arguments
-    ``packed_ptr``, ``head``, ``out_ptr``, ``tail`` (integers), through Triton's C launch function
-    directly where that is safe.
-
-    Triton's Python launcher (``compiled.run``) prepares scratch buffers per call and then calls
-    its C launch function; with no scratch buffers its call is a plain forwarding call, so the
-    arguments it forwards are recorded here and passed straight on (NOTES.md, item 33). Any other
-    shape of call keeps Triton's launcher. ``stream``, ``packed_ptr`` and ``out_ptr`` are those of a
-    launch just made: the recording runs the launcher's Python with them, so a launcher that
-    launched by some other route would only repeat that launch."""
-    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-    direct = _direct_launch(run, grid, function, metadata, (packed_ptr,) + head + (out_ptr,) + tail, stream)
-    if direct is None:
-        def via_triton(stream, packed_ptr, out_ptr):
-            run(grid, 1, 1, stream, function, metadata, None, None, None, packed_ptr, *head, out_ptr, *tail)
-
-        return via_triton
-    launch, extras, as_tuple = direct
-    if as_tuple:  # Triton 3.7 to 3.9: the kernel's arguments as one tuple
-        def direct_as_tuple(stream, packed_ptr, out_ptr):
-            launch(grid, 1, 1, stream, function, *extras, (packed_ptr, *head, out_ptr, *tail))
-
-        return direct_as_tuple
-
-    def direct(stream, packed_ptr, out_ptr):  # Triton 3.3 to 3.6: the kernel's arguments spread out
-        launch(grid, 1, 1, stream, function, *extras, packed_ptr, *head, out_ptr, *tail)
-
-    return direct
-
-
-def _direct_launch(run, grid, function, metadata, args, stream):
-    """(C launch function, the extra arguments the launcher forwards, whether the kernel's
-    arguments go as one tuple), or None unless two recordings show one forwarding call each, with
-    the same extras both times (no buffer made per call)."""
-    launch = getattr(run, "launch", None)
-    if not callable(launch) or any(getattr(run, name, 0) for name in
-                                   ("global_scratch_size", "profile_scratch_size", "gsan_enabled")):
-        return None
-    extras = []
-    for _ in range(2):
-        recorder = _LaunchRecorder(run)
-        try:
-            type(run).__call__(recorder, grid, 1, 1, stream, function, metadata, None, None, None, *args)
-        except Exception:  # a launcher this recording does not understand: keep Triton's
-            return None
-        if len(recorder._forwarded) != 1:
-            return None
-        forwarded = recorder._forwarded[0]
-        if forwarded[:5] != (grid, 1, 1, stream, function):
-            return None
-        as_tuple = type(forwarded[-1]) is tuple and forwarded[-1] == args
-        if not as_tuple and forwarded[-len(args):] != args:  # args is never empty (out_ptr)
-            return None
-        extras.append(forwarded[5:-1] if as_tuple else forwarded[5:-len(args)])
-    first, second = extras
-    if len(first) != len(second) or not all(a is b or (type(a) in (bool, int, float, str) and a == b)
-                                            for a, b in zip(first, second)):
-        return None
-    return launch, first, as_tuple
-
-
-# --------------------------------------------------------------------------------------------
-# The challenge's entry points
-# --------------------------------------------------------------------------------------------
-_your_dequantize_nf4 = dequantize_nf4  # an alias: one Python call less per harness call
-
-
-def your_dequantize_nf4(layer):
-    """The challenge's entry point: the layer's module form, which reads the packed weight and
-    its state with Params4bit's __torch_function__ disabled (``dequantize_nf4``)."""
-    return _your_dequantize_nf4(layer)

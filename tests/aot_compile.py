@@ -58,7 +58,7 @@ def variants(capability):
 
 
 def compile_variant(capability, out_dtype, nested, num_warps, constexprs):
-    fn = kernel._dequantize_4bit_kernel
+    fn = kernel.dequantize_4bit_kernel
     signature = dict(POINTERS)
     signature["absmax_ptr"] = "*u8" if nested else "*fp32"
     signature["out_ptr"] = OUT_POINTER[out_dtype]

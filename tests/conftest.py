@@ -17,12 +17,13 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 def pytest_addoption(parser):
     parser.addoption("--long", action="store_true",
-                     help="on a GPU, also the long tail: the full fuzz, 10,000-call memory, more than 2**31 elements, threads")
+                     help="on a GPU, also the long tail: the full fuzz, 10,000-call memory, more than 2**31 elements, "
+                          "threads, the ahead-of-time compiles and the notebooks' smoke runs (the CPU always runs the last two)")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu(n=1): needs n CUDA GPUs (skipped with fewer); the one way to mark GPU tests")
-    config.addinivalue_line("markers", "long: the GPU's long tail, run with --long")
+    config.addinivalue_line("markers", "long: on a GPU, the long tail, run with --long (a CPU runs what it can of it)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,6 +13,9 @@ import pytest
 
 import kernel
 
+# The CPU's tier (CI compiles every variant there); on a GPU, part of the long tail (--long).
+pytestmark = pytest.mark.long
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CAPABILITIES = [75, 80, 89, 90]
 

@@ -33,6 +33,29 @@ def test_charts_from_results(tmp_path):
     assert all(os.path.getsize(path) > 10_000 for path in written)
 
 
+def test_best_launch_config_from_the_sweep():
+    """The notebooks' pick: the all-on configuration with the smallest geometric-mean slowdown, read
+    from the sweep's rows (a faster configuration with the inline PTX off is not a candidate)."""
+    import csv
+
+    sys.path.insert(0, ROOT)
+    import bench
+    import kernel
+
+    labels = {bench.config_label(config): config for config in bench.SWEEP_CONFIGS}
+    fast = "bpp=1024 warps=4 asm=True hints=True tables=global loads=auto"
+    slow = "bpp=512 warps=2 asm=True hints=True tables=global loads=auto"
+    no_asm = next(label for label in labels if "asm=False" in label)
+    rows = [dict(kind="sweep-gpu", shape=shape, dtype="fp16", implementation=label, median_us=us)
+            for shape in ("4096x1024", "8192x2048") for label, us in ((fast, 10.0), (slow, 11.0), (no_asm, 9.0))]
+    best, label, slowdown = bench.best_launch_config(rows)
+    assert (best, label) == (kernel.LaunchConfig(1024, 4, False), fast) and slowdown == pytest.approx(10 / 9)
+    with open(os.path.join(RESULTS, "sweep.csv")) as handle:
+        committed = [dict(row, median_us=float(row["median_us"])) for row in csv.DictReader(handle)]
+    best, label, slowdown = bench.best_launch_config(committed)
+    assert label in labels and best.bytes_per_program == labels[label]["BYTES_PER_PROGRAM"] and slowdown >= 1
+
+
 @pytest.mark.gpu
 def test_gpu_times_per_callable():
     import torch
@@ -46,7 +69,7 @@ def test_gpu_times_per_callable():
     fns = {"ours": lambda: kernel.dequantize_nf4(packed, state), "x*2": lambda: x * 2}
     times = bench.gpu_times(fns, calls=5)
     assert list(times) == ["ours", "x*2"] and all(ms > 0 for ms in times.values())
-    only = bench.gpu_times(fns, calls=5, only="_dequantize_4bit_kernel")
+    only = bench.gpu_times(fns, calls=5, only="dequantize_4bit_kernel")
     assert only["ours"] > 0 and only["x*2"] == 0
     with pytest.raises(RuntimeError, match="flushed calls with GPU work"):
         bench.gpu_times({"nothing": lambda: None}, calls=3)

@@ -17,9 +17,10 @@ def test_arguments():
     args = fsdp_qlora.parse_args([])
     assert args.sizes == ["2048x5632x4", "4096x14336x2"] and args.steps == 20 and args.plan_steps == 1000
     assert fsdp_qlora.parse_args(["--sizes", "4096x14336x2", "--steps", "3"]).sizes == ["4096x14336x2"]
+    assert args.fsdp == 1 and fsdp_qlora.parse_args(["--fsdp", "2"]).fsdp == 2
 
 
-@pytest.mark.parametrize("argv", [["--sizes", "7b"], ["--steps", "1"], ["--plan-steps", "-1"]])
+@pytest.mark.parametrize("argv", [["--sizes", "7b"], ["--steps", "1"], ["--plan-steps", "-1"], ["--fsdp", "3"]])
 def test_bad_arguments(argv):
     with pytest.raises(SystemExit):
         fsdp_qlora.parse_args(argv)
@@ -43,13 +44,25 @@ def test_changed_weights():
     assert fsdp_qlora.changed_weights(before, after) == ["a", "-b", "+c"]
 
 
+def test_whole_gathers_only_sharded_tensors():
+    """FSDP2's parameters and gradients are DTensors, gathered whole; FSDP1's are plain tensors, kept."""
+
+    class Sharded:
+        def full_tensor(self):
+            return "gathered"
+
+    plain = torch.arange(3)
+    assert fsdp_qlora.whole(plain) is plain and fsdp_qlora.whole(Sharded()) == "gathered"
+
+
 @pytest.mark.gpu(2)
-def test_two_gpu_run(tmp_path):
+@pytest.mark.parametrize("flavour", ["1", "2"], ids=["FSDP1", "FSDP2"])
+def test_two_gpu_run(flavour, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     torchrun = shutil.which("torchrun") or [sys.executable, "-m", "torch.distributed.run"]
     command = ([torchrun] if isinstance(torchrun, str) else torchrun) + [
         "--nproc_per_node", "2", os.path.join(root, "fsdp_qlora.py"), "--sizes", "2048x5632x4", "--steps", "3",
-        "--plan-steps", "5", "--out", str(tmp_path)]
+        "--plan-steps", "5", "--fsdp", flavour, "--out", str(tmp_path)]
     result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     (folder,) = [os.path.join(tmp_path, name) for name in os.listdir(tmp_path)]

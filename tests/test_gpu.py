@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import bench
+import fastpath
 import kernel
 from helpers import assert_bit_exact, bnb_dequantize, quantize
 
@@ -14,14 +15,17 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
+# BF16_VIA_INT changes only the bf16 store: fp16 and fp32 run the native cast alone.
+ROUNDINGS = [(dtype, via_int) for dtype in DTYPES for via_int in ((False, True) if dtype == torch.bfloat16 else (False,))]
+
+
 @pytest.mark.parametrize("byte_loads", [False, True], ids=["auto-loads", "byte-loads"])
-@pytest.mark.parametrize("bf16_via_int", [False, True], ids=["native-cvt", "int-rne"])
 @pytest.mark.parametrize("use_asm", [True, False], ids=["asm", "pure-triton"])
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype,bf16_via_int", ROUNDINGS, ids=lambda v: {True: "int-rne", False: "native-cvt"}.get(v, str(v)))
 @pytest.mark.parametrize("shape", [(3, 100), (17, 129), (1024, 4096 + 64)], ids=str)
-def test_every_variant(shape, dtype, nested, quant_type, use_asm, bf16_via_int, byte_loads):
+def test_every_variant(shape, dtype, bf16_via_int, nested, quant_type, use_asm, byte_loads):
     """The inline-PTX and pure-Triton paths, both bf16 roundings and both load widths (the wrapper
     picks words for the last shape, bytes for the odd ones) give bitsandbytes' bits."""
     packed, state = quantize(shape, dtype=dtype, nested=nested, quant_type=quant_type, device="cuda",
@@ -31,34 +35,26 @@ def test_every_variant(shape, dtype, nested, quant_type, use_asm, bf16_via_int, 
     assert_bit_exact(got, bnb_dequantize(packed, state))
 
 
-@pytest.mark.parametrize("byte_loads", [False, True], ids=["auto-loads", "byte-loads"])
+# (bytes per program, warps): the small-weight tile, and the H100's two shared-codebook tiles.
+SHARED_TILES = [(1024, 4), (2048, 2), (512, 4)]
+# (shape, byte loads forced): odd (read byte by byte), even (int32 words), even read byte by byte.
+LAYOUTS = [((17, 129), False), ((1024, 4096 + 64), False), ((1024, 4096 + 64), True)]
+
+
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(3, 100), (17, 129), (1024, 4096 + 64)], ids=str)
-def test_every_variant_with_shared_tables(shape, dtype, nested, quant_type, byte_loads):
+@pytest.mark.parametrize("shape,byte_loads", LAYOUTS, ids=lambda v: {True: "byte-loads", False: "auto-loads"}.get(v, str(v)))
+@pytest.mark.parametrize("tile", SHARED_TILES, ids=lambda tile: f"{tile[0]}-{tile[1]}")
+def test_shared_tables(tile, shape, byte_loads, dtype, nested, quant_type):
     """The codebooks looked up in shared memory (the H100's choice from 2.25 to 17 MiB and from 48 MiB
-    of packed weight) give bitsandbytes' bits on every shape, dtype, format and load width."""
-    if not kernel.TRITON_COMPILES_SHARED_TABLES:
-        pytest.skip("this Triton cannot compile the shared-memory lookup")
-    packed, state = quantize(shape, dtype=dtype, nested=nested, quant_type=quant_type, device="cuda",
-                             seed=shape[0] + 1)
-    overrides = dict(WORD_LOADS=False) if byte_loads else {}
-    got = kernel._dequantize(packed, state, None, SHARED_TABLES=True, **overrides)
-    assert_bit_exact(got, bnb_dequantize(packed, state))
-
-
-@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
-@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(17, 129), (1024, 4096 + 64)], ids=str)
-@pytest.mark.parametrize("tile", [(2048, 2), (512, 4)], ids=lambda tile: f"{tile[0]}-{tile[1]}")
-def test_tier_tiles_with_shared_tables(tile, shape, dtype, nested, quant_type):
-    """The H100's shared-codebook tiles (2048 bytes over 2 warps, 512 over 4) on odd and even shapes."""
+    of packed weight) give bitsandbytes' bits with every tile, layout, dtype and format."""
     if not kernel.TRITON_COMPILES_SHARED_TABLES:
         pytest.skip("this Triton cannot compile the shared-memory lookup")
     packed, state = quantize(shape, dtype=dtype, nested=nested, quant_type=quant_type, device="cuda", seed=tile[0])
-    got = kernel._dequantize(packed, state, None, SHARED_TABLES=True, BYTES_PER_PROGRAM=tile[0], num_warps=tile[1])
+    overrides = dict(WORD_LOADS=False) if byte_loads else {}
+    got = kernel._dequantize(packed, state, None, SHARED_TABLES=True, BYTES_PER_PROGRAM=tile[0], num_warps=tile[1],
+                             **overrides)
     assert_bit_exact(got, bnb_dequantize(packed, state))
 
 
@@ -68,10 +64,11 @@ def test_every_tier_on_the_gpu(smallest):
     plan too) and stays bit-exact."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the tiers are measured for sm_90")
-    bytes_per_program, _, shared = kernel.launch_config((9, 0), smallest)
+    config = kernel.launch_config((9, 0), smallest)
     packed, state = quantize((2 * smallest // 4096, 4096), dtype=torch.bfloat16, device="cuda", seed=smallest % 997)
-    variant = kernel.kernel_variant(torch.bfloat16, nested=True, n_elements=2 * smallest)
-    assert (variant["BYTES_PER_PROGRAM"], variant["SHARED_TABLES"]) == (bytes_per_program, shared)
+    launch = kernel.choose_launch(packed, torch.bfloat16, 2 * smallest, blocksize=64, blocksize2=256, nested=True,
+                                  fp4=False)
+    assert (launch.constexprs["BYTES_PER_PROGRAM"], launch.num_warps, launch.constexprs["SHARED_TABLES"]) == config
     expected = bnb_dequantize(packed, state)
     for _ in range(2):  # the validating call, then the plan
         assert_bit_exact(kernel.dequantize_nf4(packed, state), expected)
@@ -122,7 +119,7 @@ def test_more_than_2_pow_31_elements():
     # The plan's path too: the validating call, then the plan's (same bits as through out=).
     for _ in range(2):
         assert torch.equal(kernel.dequantize_nf4(packed, state).view(torch.int16), got.view(torch.int16))
-    assert kernel._PLANS.get(id(state)) is not None
+    assert fastpath.PLANS.get(id(state)) is not None
 
 
 def test_caller_stream():

@@ -97,6 +97,15 @@ def test_shared_tables_forced(word_loads, nested, quant_type, device):
     assert_bit_exact(kernel._dequantize(packed, state, None, SHARED_TABLES=False, WORD_LOADS=word_loads), expected)
 
 
+def test_kernel_args_are_the_kernels_arguments():
+    """KernelArgs names the kernel's runtime arguments in its order; every later argument is a constexpr."""
+    names = kernel.dequantize_4bit_kernel.arg_names
+    fields = kernel.KernelArgs._fields
+    assert tuple(names[:len(fields)]) == fields
+    variant = kernel.kernel_variant(torch.float16, nested=True, capability=(9, 0), l2_bytes=50 << 20)
+    assert set(names[len(fields):]) == set(variant)
+
+
 def test_shared_tables_by_weight_size():
     """The shared-memory lookup follows the H100's size tiers (never where Triton cannot compile it,
     nor on GPUs whose table has no such tier)."""

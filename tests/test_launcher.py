@@ -1,10 +1,10 @@
-"""The launch plans' direct launch (kernel._kernel_launcher), on stand-in Triton launchers: pure
+"""The launch plans' direct launch (fastpath.kernel_launcher), on stand-in Triton launchers: pure
 Python, so it runs on CPU. Whatever path it picks, the C launch function must receive exactly what
 Triton's own launcher would have passed it for the same call."""
 
 import pytest
 
-import kernel
+import fastpath
 
 
 class Compiled:
@@ -97,7 +97,7 @@ def launched_by_plan(launcher_type):
     """The plan's launch function for a launcher, what the launcher launched while it was built,
     and what a later call through it launched, with the number of Triton launcher calls it took."""
     launcher = launcher_type()
-    launch = kernel._kernel_launcher(Compiled(launcher), 5, HEAD, TAIL, *FIRST)
+    launch = fastpath.kernel_launcher(Compiled(launcher), 5, HEAD, TAIL, *FIRST)
     while_built = list(launcher.launched)
     launcher.launched.clear()
     calls_before = launcher.calls

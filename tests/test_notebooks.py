@@ -53,6 +53,7 @@ def test_structure(name):
     assert os.path.getsize(os.path.join(ROOT, name)) < 2 * 2**20
 
 
+@pytest.mark.long  # on a GPU (CI runs both on the CPU)
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_run_all_in_smoke_mode(name, tmp_path, monkeypatch):
     nbclient = pytest.importorskip("nbclient")

@@ -12,13 +12,14 @@ import weakref
 import pytest
 import torch
 
+import fastpath
 import kernel
 from helpers import assert_bit_exact, bit_exact, expected_values, failures_in_threads, linear4bit, offset_copy, quantize
 from reference import dequantize_reference
 
 
 def plan_of(state):
-    return kernel._PLANS.get(id(state))
+    return fastpath.PLANS.get(id(state))
 
 
 def planned(packed, state):
@@ -251,13 +252,13 @@ def test_known_bad_plan_checks_are_caught(change, device, monkeypatch):
     """Known-bad: a plan that checks who it holds, not what it reads, serves a stale result (or
     no error) for every change above, so each of those tests can fail."""
     if change == "table-storage":
-        monkeypatch.setattr(kernel._LaunchPlan, "matches", scalars_only)
+        monkeypatch.setattr(fastpath.LaunchPlan, "matches", scalars_only)
         packed, state = quantize((256, 320), device=device, seed=40)
         planned(packed, state)
         state.absmax.data = state.absmax.flip(0)
         assert not bit_exact(kernel.dequantize_nf4(packed, state), dequantize_reference(packed, state))
         return
-    monkeypatch.setattr(kernel._LaunchPlan, "matches", state_identity_only)
+    monkeypatch.setattr(fastpath.LaunchPlan, "matches", state_identity_only)
     if change in INVALIDATING_CHANGES:
         packed, state = _invalidated_after_plan(change, device)
         kernel.dequantize_nf4(packed, state)  # no error: the stale plan answered
@@ -294,13 +295,13 @@ def test_one_plan_per_state_when_a_weight_moves(device):
     replaced, never added to, and holds none of the tensors it was made with."""
     packed, state = quantize((128, 128), device=device, seed=43)
     planned(packed, state)
-    plans_before = len(kernel._PLANS)
+    plans_before = len(fastpath.PLANS)
     old_tables = [weakref.ref(state.absmax), weakref.ref(state.state2.absmax)]
     for _ in range(5):
         packed = packed.clone()
         state.absmax, state.state2.absmax = state.absmax.clone(), state.state2.absmax.clone()
         assert_bit_exact(kernel.dequantize_nf4(packed, state), expected_values(packed, state))
-    assert len(kernel._PLANS) == plans_before
+    assert len(fastpath.PLANS) == plans_before
     gc.collect()
     assert all(ref() is None for ref in old_tables), "a plan kept a replaced table alive"
 
@@ -309,10 +310,10 @@ def test_plan_dropped_with_its_state(device):
     packed, state = quantize((64, 64), device=device, seed=18)
     planned(packed, state)
     key = id(state)
-    assert key in kernel._PLANS
+    assert key in fastpath.PLANS
     del state
     gc.collect()
-    assert key not in kernel._PLANS
+    assert key not in fastpath.PLANS
 
 
 def test_state_without_dict_gets_no_plan(device):
@@ -382,34 +383,62 @@ def test_deepcopied_state_gets_its_own_plan(device):
     assert_bit_exact(kernel.dequantize_nf4(packed, state), expected_values(packed, state))
 
 
-def run_in_new_process(body, device, **env):
-    """``body`` run by a fresh Python (with ``env`` set) that has imported torch, kernel and the
-    test helpers and names the device ``device``; returns the finished process."""
+# One fresh Python for what only a new process shows: importing kernel sets no environment variable,
+# NF4_TRITON_PLANS=0 (read at import) turns the plans off, and a plan's weakref callback may run after
+# the modules' globals are gone at exit. Each step prints a line the tests below look for.
+FRESH_PROCESS = """
+import os, sys
+sys.path[:0] = sys.argv[1:3]
+before = dict(os.environ)
+import torch
+import kernel
+import fastpath
+from helpers import expected_values, quantize
+changed = set(os.environ.items()) ^ set(before.items())
+print("environment unchanged by import" if not changed else f"environment changed: {changed}")
+print("interpreter" if kernel.INTERPRET else "compiled")
+device = sys.argv[3]
+packed, state = quantize((33, 130), dtype=torch.bfloat16, device=device)
+outs = [kernel.dequantize_nf4(packed, state) for _ in range(3)]
+if all(torch.equal(out.view(torch.int16), expected_values(packed, state).view(torch.int16)) for out in outs):
+    print("exact with plans off")
+if not fastpath.ENABLED and not fastpath.PLANS:
+    print("no plan kept")
+# A kept plan and one that is not, held by the module itself: their state dies while the module's
+# globals are being cleared.
+packed, state = quantize((64, 64), device=device)
+kept = kernel.build_plan(packed, state)
+kept.keep()
+kernel._held_until_exit = (packed, state, kept, kernel.build_plan(packed, state))
+print("holding plans until exit")
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_process(device):
+    """The finished FRESH_PROCESS, started with NF4_TRITON_PLANS=0 and no TRITON_INTERPRET."""
     tests = os.path.dirname(os.path.abspath(__file__))
-    script = (f"import sys\nsys.path[:0] = [{os.path.dirname(tests)!r}, {tests!r}]\n"
-              f"import torch\nimport kernel\nfrom helpers import expected_values, quantize\ndevice = {device!r}\n" + body)
-    return subprocess.run([sys.executable, "-c", script], env=dict(os.environ, **env), capture_output=True, text=True,
-                          timeout=300)
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", FRESH_PROCESS, os.path.dirname(tests), tests, device],
+                          env=dict(env, NF4_TRITON_PLANS="0"), capture_output=True, text=True, timeout=300)
 
 
-def test_plans_alive_at_interpreter_exit(device):
-    """A plan's weakref callback may run after the module's globals are gone: no error at exit."""
-    result = run_in_new_process(
-        "packed, state = quantize((64, 64), device=device)\n"
-        "kernel.dequantize_nf4(packed, state)  # a kept plan\n"
-        "plan = kernel._launch_plan(packed, state)  # and one that is not\n"
-        "# Held by the module itself, so the state dies while the module's globals are being cleared.\n"
-        "kernel._held_until_exit = (packed, state, plan)\n", device)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Exception ignored" not in result.stderr, result.stderr[-3000:]
+def test_import_leaves_the_environment_alone(fresh_process):
+    """Importing kernel sets no environment variable: without a GPU the interpreter is chosen for its
+    kernels alone, and other Triton code in the process is left as the user configured it."""
+    lines = fresh_process.stdout.splitlines()
+    assert "environment unchanged by import" in lines, fresh_process.stdout + fresh_process.stderr[-3000:]
+    assert ("compiled" if torch.cuda.is_available() else "interpreter") in lines
 
 
-def test_plans_switched_off(device):
+def test_plans_switched_off(fresh_process):
     """NF4_TRITON_PLANS=0: every call validates and launches through Triton; no plan is kept."""
-    result = run_in_new_process(
-        "packed, state = quantize((33, 130), dtype=torch.bfloat16, device=device)\n"
-        "outs = [kernel.dequantize_nf4(packed, state) for _ in range(3)]\n"
-        "assert all(torch.equal(out.view(torch.int16), expected_values(packed, state).view(torch.int16)) for out in outs)\n"
-        "assert not kernel.PLANS_ENABLED and not kernel._PLANS\n"
-        "print('ok')\n", device, NF4_TRITON_PLANS="0")
-    assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+    lines = fresh_process.stdout.splitlines()
+    assert "exact with plans off" in lines and "no plan kept" in lines, fresh_process.stderr[-3000:]
+
+
+def test_plans_alive_at_interpreter_exit(fresh_process):
+    """A plan's weakref callback may run after the module's globals are gone: no error at exit."""
+    assert "holding plans until exit" in fresh_process.stdout.splitlines(), fresh_process.stderr[-3000:]
+    assert fresh_process.returncode == 0, fresh_process.stderr[-3000:]
+    assert "Exception ignored" not in fresh_process.stderr, fresh_process.stderr[-3000:]
