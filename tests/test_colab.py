@@ -23,7 +23,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLAB_STACK = ["torch==2.11.0", "torchvision==0.26.0", "transformers==5.15.0", "peft==0.20.0", "numpy==2.1.3",
                "datasets==4.0.0", "accelerate", "pandas", "matplotlib", "ipywidgets", "tqdm"]
 HELD = ("torch", "triton", "transformers", "torchvision")
-PROJECT_FILES = {"pyproject.toml", "README.md", "kernel.py", "bench.py", "dropin.py", "modelbench.py", "fsdp_qlora.py"}
+
+
+def project_files():
+    """What `pip install .` packs: pyproject.toml, the README and the modules pyproject.toml names."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
+        modules = tomllib.load(handle)["tool"]["setuptools"]["py-modules"]
+    return {"pyproject.toml", "README.md"} | {f"{module}.py" for module in modules}
+
+
+
 # What `pip check` may still name after the install cell: Unsloth's certifi pin is newer than the
 # package index serves (the cell installs it without dependencies for that reason), and Unsloth
 # declares xformers, which it does not import on this path.
@@ -95,9 +106,10 @@ def test_install_cell_on_a_colab_like_stack(tmp_path):
     # The project installed with pip, then imported with what it needs; Unsloth's package is there
     # (importing it needs a GPU).
     project = tmp_path / "project"  # built from a copy: the build leaves files beside the sources
-    shutil.copytree(ROOT, project, ignore=lambda folder, names: [n for n in names if n not in PROJECT_FILES]
+    files = project_files()
+    shutil.copytree(ROOT, project, ignore=lambda folder, names: [n for n in names if n not in files]
                     if folder == ROOT else [])
     run([python, "-m", "pip", "install", "-q", "--no-deps", str(project)], timeout=600)
-    run([python, "-c", "import bitsandbytes, kernel, bench, dropin, importlib.util; "
+    run([python, "-c", "import bitsandbytes, kernel, fastpath, bench, dropin, importlib.util; "
                        "assert importlib.util.find_spec('unsloth') and importlib.util.find_spec('unsloth_zoo'); "
                        "print(kernel.INTERPRET)"], cwd=tmp_path)
