@@ -721,17 +721,22 @@ def plot(folder):
         groups = list(frame.groupby(["shape", "dtype"], sort=False))
         fig, axes = plt.subplots(2, (len(groups) + 1) // 2, figsize=(15, 9), squeeze=False)
         for ax, ((shape, dtype), rows) in zip(axes.flat, groups):
+            best = rows["median_us"].min()
+            top = best * 1.3  # the close configurations; the slower ones are marked on the top edge
             for family, line in rows.groupby("family"):
                 line = line.sort_values("bytes_per_program")
-                ax.plot(line["bytes_per_program"], line["median_us"], marker="o", label=family)
-            best = rows["median_us"].min()
-            ax.set_ylim(best * 0.98, best * 1.3)  # the close configurations; the slow ones run off the top
+                (drawn,) = ax.plot(line["bytes_per_program"], line["median_us"], marker="o", label=family)
+                above = line[line["median_us"] > top]
+                ax.plot(above["bytes_per_program"], [top] * len(above), marker="^", markersize=9, linestyle="none",
+                        color=drawn.get_color(), clip_on=False)
+            ax.set_ylim(best * 0.98, top)
             ax.set_xscale("log", base=2)
-            ax.set_title(f"{shape} {dtype} (best {best:.2f} us)")
+            clipped = int((rows["median_us"] > top).sum())
+            ax.set_title(f"{shape} {dtype}: best {best:.2f} us\n{clipped} points above the top (\u25b2)", fontsize=10, pad=8)
             ax.set_xlabel("packed bytes per program")
             ax.set_ylabel("GPU time per call, us (profiler)" if kind == "sweep-gpu" else "us (do_bench, L2 flushed)")
         title = (f"Launch sweep on {frame.iloc[0]['gpu']} (triton {frame.iloc[0]['triton_version']}); "
-                 "y axis up to 1.3x each shape's best")
+                 "y axis up to 1.3x each shape's best, \u25b2 on the top edge: a point above it")
         written.append(_save_with_legend_below(plt, fig, axes, os.path.join(folder, "sweep.png"), title, ncol=3,
                                                fontsize=10, bottom=0.08, dpi=100))
     model_csv = os.path.join(folder, "model.csv")
@@ -766,15 +771,12 @@ def plot_model(frame, path, plt):
         ax.axhline(1, color="black", linewidth=0.8, linestyle="--")
         ax.set_title(f"{model} {dtype}", fontsize=9)
         ax.set_ylabel("speed over bitsandbytes' Linear4bit (x)")
-        ax.legend(fontsize=7)
+        ax.get_legend().remove()  # one legend below the panels: inside one it covered the tallest bars
     meta = frame.iloc[0]
-    fig.suptitle(f"Llama-style model, 4-bit NF4 (hidden x intermediate x layers) | {meta['gpu']} | torch "
-                 f"{meta['torch_version']} | triton {meta['triton_version']} | bnb {meta['bitsandbytes_version']} | "
-                 f"unsloth {meta['unsloth_version']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    title = (f"Llama-style model, 4-bit NF4 (hidden x intermediate x layers) | {meta['gpu']} | torch "
+             f"{meta['torch_version']} | triton {meta['triton_version']} | bnb {meta['bitsandbytes_version']} | "
+             f"unsloth {meta['unsloth_version']}")
+    return _save_with_legend_below(plt, fig, axes, path, title, ncol=None, fontsize=8, bottom=0.07, dpi=100)
 
 
 def main():
