@@ -31,7 +31,7 @@ import time
 import torch
 import triton
 import triton.language as tl
-from tqdm.auto import tqdm
+from tqdm import tqdm  # text bars: a saved notebook shows their last state; a widget bar needs a live kernel
 
 import fastpath
 import kernel
