@@ -1,17 +1,20 @@
-"""The two notebooks: valid, every section present, no kernel code in cells, small, and Run all
-works end to end in smoke mode (small shapes; through the interpreter when there is no GPU)."""
+"""The two notebooks: what `notebooks.py` writes from its one template (outputs aside), carrying the
+repository's modules byte for byte, every section present, and Run all working end to end in smoke mode
+(small shapes; through the interpreter when there is no GPU) alone in an empty folder."""
 
 import os
 import re
+import shutil
+import tempfile
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-NOTEBOOKS = ["nf4_dequant_T4.ipynb", "nf4_dequant_L4.ipynb"]
+nbformat = pytest.importorskip("nbformat")
+import notebooks
+
+ROOT = notebooks.ROOT
 SECTIONS = ["## 1. Setup", "## 2. The format, derived", "## 3. The kernel", "## 4. Correctness", "## 5. Timing",
             "## 6. Launch-parameter sweep", "## 7. Explorer", "## 8. torch.compile", "## 9. Writeup"]
-
-nbformat = pytest.importorskip("nbformat")
 
 
 def load(name):
@@ -20,61 +23,113 @@ def load(name):
     return notebook
 
 
-def as_generic(source, gpu, other_gpu, dtype, other_dtype):
-    """A notebook cell with its GPU and dtype names replaced by placeholders."""
-    names = {gpu: "<GPU>", other_gpu: "<OTHER GPU>", dtype: "<DTYPE>", other_dtype: "<OTHER DTYPE>",
-             {"fp16": "float16", "bf16": "bfloat16"}[dtype]: "<TORCH DTYPE>"}
-    source = re.sub(r"\ban? (T4|L4)\b", r"a \1", source).replace("T4 or L4", "<BOTH GPUS>")
-    return re.sub(r"\b(" + "|".join(names) + r")\b", lambda match: names[match.group(1)], source)
+def embedded_files(notebook):
+    """{file name: text} of the notebook's `%%writefile` cells."""
+    files = {}
+    for cell in notebook.cells:
+        if cell.cell_type == "code" and cell.source.startswith(notebooks.WRITEFILE):
+            first_line, _, text = cell.source.partition("\n")
+            files[first_line[len(notebooks.WRITEFILE):]] = text
+    return files
 
 
-def test_notebooks_differ_only_in_gpu_and_dtype():
-    """One notebook per GPU from the same cells: they cannot drift apart."""
-    t4, l4 = load("nf4_dequant_T4.ipynb").cells, load("nf4_dequant_L4.ipynb").cells
-    assert len(t4) == len(l4)
-    for ours, theirs in zip(t4, l4):
-        assert ours.cell_type == theirs.cell_type
-        lines, other_lines = ours.source.splitlines(), theirs.source.splitlines()
-        assert len(lines) == len(other_lines), ours.source[:80]
-        for line, other in zip(lines, other_lines):  # each line the same, or the same but for GPU and dtype
-            assert line == other or (as_generic(line, "T4", "L4", "fp16", "bf16")
-                                     == as_generic(other, "L4", "T4", "bf16", "fp16")), (line, other)
+def repository_file(name):
+    with open(os.path.join(ROOT, name), encoding="utf-8", newline="") as handle:
+        return handle.read()
 
 
-@pytest.mark.parametrize("name", NOTEBOOKS)
+def output_text(notebook):
+    return "\n".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                     for output in cell.outputs)
+
+
+def test_committed_notebooks_are_what_the_generator_writes():
+    """One template for both: a hand edit, a drifted copy or a changed module fails here."""
+    assert notebooks.stale() == [], "run `python notebooks.py` and commit both notebooks"
+
+
+@pytest.mark.parametrize("name", notebooks.NOTEBOOKS)
+def test_embedded_modules_are_the_repository_files(name):
+    notebook = load(name)
+    files = embedded_files(notebook)
+    assert list(files) == [f"{module}.py" for module in notebooks.project_modules()]  # pyproject.toml's py-modules
+    for file, text in files.items():
+        assert text == repository_file(file), f"{file} embedded in {name} differs from the repository's"
+    heading = next(cell for cell in notebook.cells if cell.get("id") == notebooks.PROJECT_FILES_ID)
+    assert heading.source.startswith("### Project files, generated from the repository; do not edit\n")
+    assert notebook.metadata.colab.collapsed_sections == [heading.metadata.id]  # Colab shows it collapsed
+
+
+def test_readable_outputs():
+    """A text progress bar keeps its last state, a stream's pieces join, a widget view goes."""
+    outputs = [nbformat.v4.new_output("stream", name="stderr", text="\rbar:   0%|  | 0/3"),
+               nbformat.v4.new_output("stream", name="stderr", text="\rbar:  33%|# | 1/3\rbar: 100%|##| 3/3\n"),
+               nbformat.v4.new_output("display_data", data={"application/vnd.jupyter.widget-view+json": {},
+                                                            "text/plain": "VBox(children=...)"}),
+               nbformat.v4.new_output("stream", name="stdout", text="done\n")]
+    assert [(output.output_type, output.get("text")) for output in notebooks.readable_outputs(outputs)] == [
+        ("stream", "bar: 100%|##| 3/3\n"), ("stream", "done\n")]
+
+
+@pytest.mark.parametrize("name", notebooks.NOTEBOOKS)
 def test_structure(name):
     notebook = load(name)
     markdown = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "markdown")
     positions = [markdown.find(section) for section in SECTIONS]
     assert -1 not in positions and positions == sorted(positions), positions
-    code = [cell.source for cell in notebook.cells if cell.cell_type == "code"]
-    assert not any(re.search(r"@triton\.jit|tl\.load|tl\.store", source) for source in code)
+    code = [cell.source for cell in notebook.cells
+            if cell.cell_type == "code" and not cell.source.startswith(notebooks.WRITEFILE)]
+    assert not any(re.search(r"@triton\.jit|tl\.load|tl\.store", source) for source in code)  # the kernel lives in kernel.py
     assert any("import kernel" in source for source in code)
     assert os.path.getsize(os.path.join(ROOT, name)) < 2 * 2**20
 
 
-@pytest.mark.long  # on a GPU (CI runs both on the CPU)
-@pytest.mark.parametrize("name", NOTEBOOKS)
-def test_run_all_in_smoke_mode(name, tmp_path, monkeypatch):
-    nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("ipykernel")
-    notebook = load(name)
-    for cell in notebook.cells:
-        if cell.cell_type == "code":
-            cell.outputs = []
-    monkeypatch.setenv("NF4_NOTEBOOK_SMOKE", "1")
-    # IPC, not TCP: over TCP the client and the kernel both sat waiting, each idle, in 2 of 4 clean-clone
-    # CI runs (NOTES.md, Open). A whole smoke run takes 8 s here, so 60 s per cell turns any stall
-    # into a failure within a minute.
-    from jupyter_client import KernelManager
+def run_until_modules(notebook, folder):
+    """Runs the cells up to the one that says where each module comes from; returns its output."""
+    ids = [cell.id for cell in notebook.cells]
+    notebook.cells = notebook.cells[:ids.index("modules") + 1]
+    return output_text(notebooks.execute(notebook, str(folder), timeout=60))
 
-    # The IPC sockets go to the test's temporary folder (by default they land in the working directory).
-    manager = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp_path / "kernel"))
-    client = nbclient.NotebookClient(notebook, km=manager, timeout=60, resources={"metadata": {"path": ROOT}})
-    client.execute(cwd=ROOT)
-    text = "\n".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
-                     for output in cell.outputs)
+
+def test_next_to_a_clone_the_repository_files_are_used():
+    notebook = notebooks.build("nf4_dequant_T4.ipynb", notebooks.module_sources(notebooks.project_modules()))
+    text = run_until_modules(notebook, ROOT)
+    for module in notebooks.project_modules():
+        assert f"{module}: {os.path.join(ROOT, module)}.py (the same as the copy above)" in text, text
+
+
+def test_a_different_file_next_to_the_notebook_wins_and_is_kept(tmp_path):
+    changed = repository_file("dropin.py") + "# changed by hand\n"
+    (tmp_path / "dropin.py").write_text(changed)
+    notebook = notebooks.build("nf4_dequant_L4.ipynb", notebooks.module_sources(notebooks.project_modules()))
+    text = run_until_modules(notebook, tmp_path)
+    assert f"dropin: {tmp_path / 'dropin.py'} (differs from the copy above)" in text, text
+    assert "kernel: the copy above" in text
+    assert (tmp_path / "dropin.py").read_text() == changed
+
+
+@pytest.mark.long  # on a GPU (CI runs both on the CPU)
+@pytest.mark.parametrize("name", notebooks.NOTEBOOKS)
+def test_run_all_in_smoke_mode_alone(name, tmp_path, monkeypatch):
+    """Opened alone: an empty folder holding only the notebook; its modules come from its own cells."""
+    pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    shutil.copy(os.path.join(ROOT, name), tmp_path)
+    notebook = nbformat.read(tmp_path / name, as_version=4)
+    monkeypatch.setenv("NF4_NOTEBOOK_SMOKE", "1")
+    # A whole smoke run takes about 10 s here, so 60 s per cell turns any stall into a failure within a minute.
+    text = output_text(notebooks.execute(notebook, str(tmp_path), timeout=60))
+    for module in notebooks.project_modules():
+        assert f"{module}: the copy above" in text
     assert "smoke mode: True" in text
     assert "hand decode == bitsandbytes, bit for bit: True" in text
     assert "graph breaks: 0" in text
     assert "compiled dequantize == eager, bit for bit: True" in text
+    writeup = next(cell for cell in notebook.cells if cell.id == "writeup-table").outputs[0].data["text/markdown"]
+    assert "| works in torch.compile (+1) | 0 graph breaks; compiled output equal to eager bit for bit: True" in writeup
+    # What the %%writefile cells wrote is what they hold, byte for byte.
+    folder_cell = next(cell for cell in notebook.cells if cell.id == "project-files-folder")
+    (folder,) = re.findall(r"nf4-triton-[0-9a-f]{12}", folder_cell.source)
+    for file, text in embedded_files(notebook).items():
+        with open(os.path.join(tempfile.gettempdir(), folder, file), encoding="utf-8", newline="") as handle:
+            assert handle.read() == text, file
