@@ -9,15 +9,20 @@ published it in August 2026: Python 3.13 (where this machine has it), torch 2.11
 transformers 5.15.0, peft 0.20.0, numpy 2.1; plus datasets 4.0.0, which an earlier runtime carried
 and Unsloth excludes."""
 
+import contextlib
 import glob
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
+
+import notebooks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLAB_STACK = ["torch==2.11.0", "torchvision==0.26.0", "transformers==5.15.0", "peft==0.20.0", "numpy==2.1.3",
@@ -27,12 +32,7 @@ HELD = ("torch", "triton", "transformers", "torchvision")
 
 def project_files():
     """What `pip install .` packs: pyproject.toml, the README and the modules pyproject.toml names."""
-    import tomllib
-
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
-        modules = tomllib.load(handle)["tool"]["setuptools"]["py-modules"]
-    return {"pyproject.toml", "README.md"} | {f"{module}.py" for module in modules}
-
+    return {"pyproject.toml", "README.md"} | {f"{module}.py" for module in notebooks.project_modules()}
 
 
 # What `pip check` may still name after the install cell: Unsloth's certifi pin is newer than the
@@ -80,10 +80,32 @@ def test_both_notebooks_install_the_same():
     assert install_cell("nf4_dequant_T4.ipynb") == install_cell("nf4_dequant_L4.ipynb")
 
 
+@contextlib.contextmanager
+def scratch_folder():
+    """A folder for the Colab-like environment (about 6 GB with its CUDA libraries), removed afterwards."""
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="nf4-colab-sim-"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_the_environment_is_removed_afterwards():
+    with scratch_folder() as folder:
+        (folder / "colab" / "bin").mkdir(parents=True)
+    assert not folder.exists()
+
+
 @colab_sim
-def test_install_cell_on_a_colab_like_stack(tmp_path):
+def test_install_cell_on_a_colab_like_stack():
+    with scratch_folder() as folder:
+        install_and_import(folder)
+
+
+def install_and_import(folder):
+    """Colab's stack in a venv under `folder`, the install cell run there, then the project installed and imported."""
     base = colab_python()
-    venv = tmp_path / "colab"
+    venv = folder / "colab"
     run([base, "-m", "venv", str(venv)])
     python = str(venv / "bin" / "python")
     run([python, "-m", "pip", "install", "-q", "--upgrade", "pip"])
@@ -91,10 +113,10 @@ def test_install_cell_on_a_colab_like_stack(tmp_path):
     before = versions(python)
 
     # The cell as written, in a process where `google.colab` is imported, as in Colab.
-    script = tmp_path / "install_cell.py"
+    script = folder / "install_cell.py"
     script.write_text("import sys, types\nsys.modules['google.colab'] = types.ModuleType('google.colab')\n"
                       + install_cell("nf4_dequant_T4.ipynb"))
-    output = run([python, str(script)], cwd=tmp_path, timeout=1800)
+    output = run([python, str(script)], cwd=folder, timeout=1800)
     assert "held: torch==" in output
 
     assert versions(python) == before
@@ -105,11 +127,11 @@ def test_install_cell_on_a_colab_like_stack(tmp_path):
 
     # The project installed with pip, then imported with what it needs; Unsloth's package is there
     # (importing it needs a GPU).
-    project = tmp_path / "project"  # built from a copy: the build leaves files beside the sources
+    project = folder / "project"  # built from a copy: the build leaves files beside the sources
     files = project_files()
-    shutil.copytree(ROOT, project, ignore=lambda folder, names: [n for n in names if n not in files]
-                    if folder == ROOT else [])
+    shutil.copytree(ROOT, project, ignore=lambda source, names: [n for n in names if n not in files]
+                    if source == ROOT else [])
     run([python, "-m", "pip", "install", "-q", "--no-deps", str(project)], timeout=600)
-    run([python, "-c", "import bitsandbytes, kernel, fastpath, bench, dropin, importlib.util; "
+    run([python, "-c", f"import bitsandbytes, importlib.util, {', '.join(notebooks.project_modules())}; "
                        "assert importlib.util.find_spec('unsloth') and importlib.util.find_spec('unsloth_zoo'); "
-                       "print(kernel.INTERPRET)"], cwd=tmp_path)
+                       "print(kernel.INTERPRET)"], cwd=folder)
