@@ -1,0 +1,136 @@
+"""The README's measured numbers against the files in results/ they come from: its first table (the
+versions above it, the harness, kernel GPU times, the QLoRA and FSDP steps) and the model table, each
+parsed and recomputed from the CSVs."""
+
+import csv
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H100 = os.path.join(ROOT, "results", "nvidia-h100-80gb-hbm3")
+H200 = os.path.join(ROOT, "results", "nvidia-h200")
+
+
+def readme():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as handle:
+        return handle.read()
+
+
+def tables(text):
+    """Each markdown table of `text` as its rows of stripped cells, the header row first."""
+    found, current = [], None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            current = None
+            continue
+        if current is None:
+            current = []
+            found.append(current)
+        if not set(line) <= set("|-: "):  # not the separator row
+            current.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return found
+
+
+def rows(path, **match):
+    with open(path, newline="") as handle:
+        return [row for row in csv.DictReader(handle) if all(row[key] == value for key, value in match.items())]
+
+
+def decimals(text):
+    return re.findall(r"\d+\.\d+", text)
+
+
+def headline_numbers():
+    """{first-table row label: (the decimals its cells must hold, in order; words they must hold)} from results/."""
+    bench = os.path.join(H100, "bench.csv")
+    harness = {row["implementation"]: float(row["median_us"]) / 1e6 for row in rows(bench, kind="harness")}
+    ours, fused, old = harness["nf4-triton"], harness["unsloth-fused"], harness["unsloth-2025"]
+    with open(os.path.join(H100, "bench.log")) as handle:
+        rounds = len(re.findall(r"^harness round \d+:", handle.read(), re.M))
+    expected = {f"challenge harness ({rounds} rounds)": ([f"{ours:.3f}", f"{fused:.3f}", f"{fused / ours:.2f}",
+                                                          f"{old:.3f}", f"{old / ours:.2f}"], [])}
+    for shape in ("4096x1024", "14336x4096", "28672x8192"):
+        gpu = {row["implementation"]: row for row in rows(bench, kind="kernel-gpu", shape=shape, dtype="fp16")}
+        expected[f"GPU time, {shape} fp16"] = ([f"{float(gpu[name][column]):.{digits}f}"
+                                               for name in ("nf4-triton", "unsloth-fused")
+                                               for column, digits in (("median_us", 2), ("pct_roofline", 1))], [])
+    model = os.path.join(H100, "model.csv")
+    steps = [row for row in rows(model) if row["kind"].startswith("qlora-step")]
+    time = {(row["model"], row["dtype"], row["kind"], row["implementation"]): float(row["median_ms"]) for row in steps}
+    speedups = [time[case[:3] + ("bitsandbytes",)] / value for case, value in time.items() if case[3] == "nf4-triton"]
+    expected["QLoRA step, Llama-style 4-bit model"] = ([f"{min(speedups):.2f}", f"{max(speedups):.2f}"],
+                                                       [f"all {len(speedups)} cases"])
+    fsdp = rows(os.path.join(H200, "fsdp.csv"))
+    step = {(row["model"], row["implementation"]): float(row["median_step_ms"]) for row in fsdp}
+    speedups = [value / step[model_name, "nf4-triton"] for (model_name, name), value in step.items()
+                if name.startswith("bitsandbytes")]
+    assert {(row["gpu"], row["world_size"]) for row in fsdp} == {("NVIDIA H200", "2")}  # "two H200s"
+    expected["FSDP QLoRA step, two H200s"] = ([f"{min(speedups):.2f}", f"{max(speedups):.2f}"], ["FSDP1"])
+    return expected
+
+
+def test_headline_table_is_the_results():
+    text = readme()
+    first = tables(text)[0]
+    numbers = headline_numbers()
+    labels = [row[0] for row in first[1:]]
+    for row in first[1:]:
+        label = row[0]
+        if label == "bits":
+            assert not decimals(" ".join(row)), "a measured number here needs its file in results/ and a line in this test"
+            continue
+        assert label in numbers, f"README row {label!r}: no file in results/ gives it (rows this test knows: {list(numbers)})"
+        expected_decimals, words = numbers[label]
+        assert decimals(" ".join(row[1:])) == expected_decimals, label
+        assert all(word in " ".join(row[1:]) for word in words), (label, words)
+    assert set(numbers) <= set(labels), set(numbers) - set(labels)
+    # The versions named above the table are the ones the CSV rows carry.
+    meta = rows(os.path.join(H100, "bench.csv"), kind="harness")[0]
+    intro = " ".join(text[:text.index("| |")].split())
+    assert (f"{meta['gpu']} (torch {meta['torch_version']}, Triton {meta['triton_version']}, bitsandbytes "
+            f"{meta['bitsandbytes_version']}, unsloth {meta['unsloth_version']}") in intro
+
+
+def test_model_table_is_the_results():
+    (table,) = [table for table in tables(readme()) if table[0][:3] == ["model", "dtype", "case"]]
+    kinds = {"prefill": "prefill", "QLoRA step": "qlora-step", "QLoRA step, checkpointing": "qlora-step-checkpointed"}
+    measured = {}
+    for row in rows(os.path.join(H100, "model.csv")):
+        if row["kind"] != "crossover":
+            measured[row["model"], row["dtype"], row["kind"], row["tokens"], row["implementation"]] = row
+    assert len(table) - 1 == len(measured) // 3  # every case once, three contenders each
+    for model, dtype, case, bnb_ms, ours_ms, unsloth_ms, gpu_ms, peak in table[1:]:
+        kind, _, tokens = case.rpartition(" ") if case.startswith("prefill") or case.endswith("4x512") else (case, "", "4x512")
+        bnb, ours, unsloth = (measured[model, dtype, kinds[kind], tokens, name]
+                              for name in ("bitsandbytes", "nf4-triton", "unsloth-fused"))
+        base = float(bnb["median_ms"])
+        assert [bnb_ms, ours_ms, unsloth_ms, gpu_ms, peak] == [
+            f"{base:.2f}",
+            f"{float(ours['median_ms']):.2f} ({base / float(ours['median_ms']):.2f}x)",
+            f"{float(unsloth['median_ms']):.2f} ({base / float(unsloth['median_ms']):.2f}x)",
+            f"{float(bnb['gpu_ms']):.2f} / {float(ours['gpu_ms']):.2f}",
+            f"{float(bnb['peak_mib']):.0f} / {float(ours['peak_mib']):.0f}"], (model, dtype, case)
+
+
+def test_the_parser_sees_every_table_and_number():
+    """The parsing itself: a table of two rows, its separator skipped, and decimals found in order."""
+    assert tables("text\n| a | b |\n|---|---|\n| 1.25 x | 3 (4.50x) |\nafter") == [[["a", "b"], ["1.25 x", "3 (4.50x)"]]]
+    assert decimals("4.55 us, 76.9 % | 2025 path, 1.87x") == ["4.55", "76.9", "1.87"]
+
+
+def test_install_lines_agree():
+    """requirements.txt is pyproject.toml's dependencies and `test` extra; the README's CPU line pins the
+    torch that CI installs; `.[test]` brings what the README's test commands run."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
+        project = tomllib.load(handle)["project"]
+    with open(os.path.join(ROOT, "requirements.txt")) as handle:
+        listed = [line.strip() for line in handle if line.strip() and not line.startswith("#")]
+    assert sorted(listed) == sorted(project["dependencies"] + project["optional-dependencies"]["test"])
+    assert {"pytest", "ruff"} <= set(project["optional-dependencies"]["test"])
+    with open(os.path.join(ROOT, ".ci", "run")) as handle:
+        (ci_torch,) = re.findall(r"pip install --quiet (torch==\S+)", handle.read())
+    (cpu_line,) = [line for line in readme().splitlines() if "download.pytorch.org/whl/cpu" in line]
+    assert cpu_line.startswith(f"pip install {ci_torch} --index-url ") and "pip install ." in cpu_line
+    assert "pip install '.[test]'" in readme()
