@@ -7,9 +7,11 @@ call with that state checks that nothing the launch reads has changed, allocates
 launches the compiled kernel directly, skipping validation and Triton's argument binding. Each call
 checks: the state is the same object; every table (absmax, code, state2's absmax and code, the
 offset) has the address, dtype and size recorded, so a table rebound, ``.data`` replaced, ``set_``
-or ``resize_`` all show; the packed weight has the byte count, 16-byte alignment, contiguity and
-device recorded (its address is taken at launch, so a weight FSDP gathers into new memory every
-step stays on its plan); the state's scalars are equal; no profiler has set Triton launch hooks.
+or ``resize_`` all show; the packed weight has the shape (a leading 1 transposes the result), byte
+count, 16-byte alignment, storage offset, contiguity and device recorded, and its storage still
+holds its bytes (FSDP frees a flat parameter with ``resize_(0)`` under its views); its address is
+taken at launch, so a weight FSDP gathers into new memory every step stays on its plan; the state's
+scalars are equal; no profiler has set Triton launch hooks.
 Anything else returns to the validating path, which replaces the plan. The kernel reads the bytes
 on every call, so a weight re-quantized in place is served fresh. A plan holds no tensor (its
 state holds the tables it checks) and is dropped when its state dies.
@@ -81,7 +83,7 @@ class LaunchPlan:
     """One validated launch, replayed for the same quant state while nothing it reads has changed."""
 
     __slots__ = ("key", "state_ref", "device", "device_index", "dtype", "size", "strides", "facts", "nested",
-                 "nested_facts", "offset", "transpose", "launch_kernel", "__weakref__")
+                 "nested_facts", "offset", "storage_bytes", "transpose", "launch_kernel", "__weakref__")
 
     def __init__(self, packed, qs, shape, blocksize, blocksize2, nested, transpose, tables, launch_kernel):
         """``tables``: (absmax, code, absmax2, code2, offset) as launched; ``launch_kernel(stream,
@@ -96,18 +98,21 @@ class LaunchPlan:
         self.device, self.device_index = packed.device, packed.device.index
         self.dtype, self.nested = qs.dtype, nested
         self.size, self.strides = tuple(shape), torch.empty(shape, device="meta").stride()  # contiguous
-        # What `matches` compares, in its order: the packed weight's alignment, byte count,
-        # contiguity and device (-1: the CPU); the state's fields; (address, dtype, size) of each
-        # table as launched.
+        # What `matches` compares, in its order: the packed weight's alignment, shape (a leading 1
+        # transposes the result), byte count, place in its storage, contiguity and device (-1: the
+        # CPU); the state's fields; (address, dtype, size) of each table as launched.
         absmax, code, absmax2, code2, offset = tables
-        self.facts = (packed.data_ptr() % 16, packed.nbytes, True, packed.get_device(),
-                      qs.dtype, shape, blocksize, qs.quant_type, nested,
+        self.facts = (packed.data_ptr() % 16, packed.shape, packed.nbytes, packed.storage_offset(), True,
+                      packed.get_device(), qs.dtype, shape, blocksize, qs.quant_type, nested,
                       absmax.data_ptr(), absmax.dtype, absmax.numel(), code.data_ptr(), code.dtype, code.numel())
         self.nested_facts = ((blocksize2, absmax2.data_ptr(), absmax2.dtype, absmax2.numel(),
                               code2.data_ptr(), code2.dtype, code2.numel()) if nested else None)
         # An offset given as a float: its value; as a tensor: its (address, dtype, size).
         self.offset = ((offset.data_ptr(), offset.dtype, offset.numel()) if isinstance(qs.offset, torch.Tensor)
                        else qs.offset) if nested else None
+        # The storage must still hold the bytes: FSDP frees a flat parameter with `resize_(0)` under
+        # the views it hands out, and any storage can be resized smaller under a view.
+        self.storage_bytes = packed.storage_offset() * packed.element_size() + packed.nbytes
         self.transpose, self.launch_kernel = transpose, launch_kernel
 
     def keep(self):
@@ -121,10 +126,11 @@ class LaunchPlan:
         try:
             absmax, code = qs.absmax, qs.code
             if (self.state_ref() is not qs
-                    or (packed.data_ptr() % 16, packed.nbytes, packed.is_contiguous(), packed.get_device(),
-                        qs.dtype, qs.shape, qs.blocksize, qs.quant_type, qs.nested,
-                        absmax.data_ptr(), absmax.dtype, absmax.numel(),
+                    or (packed.data_ptr() % 16, packed.shape, packed.nbytes, packed.storage_offset(),
+                        packed.is_contiguous(), packed.get_device(), qs.dtype, qs.shape, qs.blocksize,
+                        qs.quant_type, qs.nested, absmax.data_ptr(), absmax.dtype, absmax.numel(),
                         code.data_ptr(), code.dtype, code.numel()) != self.facts
+                    or packed.untyped_storage().nbytes() < self.storage_bytes
                     or (self.device_index is None and not packed.is_cpu)  # get_device() is -1 for meta too
                     or launch_hooks_active()):
                 return False

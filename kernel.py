@@ -486,6 +486,10 @@ def _check_state(packed, qs):
     n_bytes = packed.numel() * packed.element_size()
     _require(n_bytes >= (n_elements + 1) // 2,
              f"dequantize_nf4: packed weight has {n_bytes} bytes, shape {tuple(shape)} needs {(n_elements + 1) // 2}")
+    if not torch.compiler.is_compiling():  # a traced tensor has no storage of its own to measure
+        stored = packed.untyped_storage().nbytes() - packed.storage_offset() * packed.element_size()
+        _require(stored >= n_bytes, f"dequantize_nf4: packed weight spans {n_bytes} bytes but its storage holds "
+                                    f"{max(stored, 0)} from where it starts (the storage was resized under it)")
 
     def tensor(name, value, dtype, min_numel):
         _require(isinstance(value, torch.Tensor), f"dequantize_nf4: {name} must be a tensor")

@@ -124,6 +124,18 @@ def test_packed_too_small(weight):
         kernel.dequantize_nf4(packed[:-1], state)
 
 
+def test_packed_view_past_its_storage(weight):
+    """A storage resized smaller under its view: the bytes past it are not the weight's."""
+    packed, state = weight
+    packed.untyped_storage().resize_(100)
+    with pytest.raises(ValueError, match="packed weight spans 256 bytes but its storage holds 100 from where it starts"):
+        kernel.dequantize_nf4(packed, state)
+    view = torch.zeros(512, dtype=torch.uint8, device=packed.device)[200:456].view(256, 1)
+    view.untyped_storage().resize_(300)
+    with pytest.raises(ValueError, match="storage holds 100 from where it starts"):
+        kernel.dequantize_nf4(view, state)
+
+
 def test_absmax_too_small(weight):
     packed, state = weight
     with pytest.raises(ValueError, match="absmax has 7 elements, needs at least 8"):

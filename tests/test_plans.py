@@ -121,6 +121,34 @@ def test_plan_follows_packed_bytes_that_move(device, monkeypatch):
     assert_bit_exact(kernel.dequantize_nf4(misaligned, state), expected_values(packed, state))
 
 
+@pytest.mark.parametrize("shape", [(96, 64), (64, 64)], ids=["96x64", "square"])
+def test_plan_follows_the_packed_orientation(shape, device):
+    """A packed weight of shape[0] == 1 comes back transposed (bitsandbytes' rule for its weight.t()):
+    a plan made for the (n, 1) tensor does not serve its (1, n) view, nor the reverse."""
+    packed, state = quantize(shape, device=device, seed=47)
+    flipped = packed.t()
+    for first, second in ((packed, flipped), (flipped, packed)):
+        planned(first, state)
+        assert_bit_exact(kernel.dequantize_nf4(second, state), expected_values(second, state))
+
+
+@pytest.mark.parametrize("kept_bytes", [1024, 0])
+def test_plan_does_not_read_past_a_shrunk_storage(kept_bytes, device):
+    """The packed weight's storage resized smaller under it (FSDP frees a flat parameter with
+    resize_(0)): the call is refused, not served past the allocation; grown back and refilled, the
+    weight is served again."""
+    packed, state = quantize((96, 64), device=device, seed=48)
+    saved = packed.clone()
+    planned(packed, state)
+    storage = packed.untyped_storage()
+    storage.resize_(kept_bytes)
+    with pytest.raises(ValueError, match=f"spans 3072 bytes but its storage holds {kept_bytes} from where it starts"):
+        kernel.dequantize_nf4(packed, state)
+    storage.resize_(saved.nbytes)
+    packed.copy_(saved)
+    assert_bit_exact(kernel.dequantize_nf4(packed, state), expected_values(saved, state))
+
+
 # ---- state changes after a plan was made -------------------------------------------------------
 def _changed_after_plan(change, device):
     """A weight whose plan exists, then one field of its state rebound (or, for "blocksize-shape",
@@ -244,7 +272,7 @@ def state_identity_only(self, packed, qs):
 def scalars_only(self, packed, qs):
     """Known-bad (the rule before table addresses were recorded, where the table objects were the
     same): the state and its scalars, nothing about the memory its tables read."""
-    return self.state_ref() is qs and (qs.dtype, qs.shape, qs.blocksize, qs.quant_type, qs.nested) == self.facts[4:9]
+    return self.state_ref() is qs and (qs.dtype, qs.shape, qs.blocksize, qs.quant_type, qs.nested) == self.facts[6:11]
 
 
 @pytest.mark.parametrize("change", STATE_CHANGES + INVALIDATING_CHANGES + ["table-storage"])
@@ -274,16 +302,18 @@ def test_plan_on_the_weights_device_only(device):
     planned(packed, state)
     plan = plan_of(state)
 
-    alignment, nbytes, _, device_number = plan.facts[:4]
+    alignment, shape, nbytes, offset_in_storage, _, device_number = plan.facts[:6]
 
     class Elsewhere:
-        """The planned weight's address and size, on another device."""
+        """The planned weight's address, shape and size, on another device."""
 
         is_contiguous = staticmethod(lambda: True)
         data_ptr = staticmethod(lambda: 16 * 4096 + alignment)
+        storage_offset = staticmethod(lambda: offset_in_storage)
         get_device = staticmethod(lambda: device_number + 1)
+        untyped_storage = staticmethod(lambda: packed.untyped_storage())
 
-    Elsewhere.nbytes = nbytes
+    Elsewhere.shape, Elsewhere.nbytes = shape, nbytes
 
     assert plan.matches(packed, state)
     assert not plan.matches(Elsewhere(), state)
