@@ -35,6 +35,7 @@ import os
 import struct
 import threading
 import typing
+import weakref
 
 import torch
 import triton
@@ -518,7 +519,7 @@ def _check_state(packed, qs):
         if not isinstance(offset, torch.Tensor):
             _require(isinstance(offset, numbers.Real) and not isinstance(offset, bool),
                      f"dequantize_nf4: offset must be a float or a one-element tensor, got {offset!r}")
-            offset = _offset_tensor(float(offset), device)
+            offset = _offset_tensor(qs, float(offset), device)
         # Kept as it is (one element, usually 0-dim): a reshape here would be one more view per
         # call inside a compiled graph.
         offset = tensor("offset", offset, torch.float32, 1)
@@ -530,16 +531,33 @@ def _check_state(packed, qs):
     return shape, blocksize, nested, blocksize2, (absmax, code, absmax2, code2, offset)
 
 
-_OFFSETS = {}
+_OFFSETS = {}  # id(quant_state) -> (weakref to the state, (value as fp32 bytes, device), its tensor)
 
 
-def _offset_tensor(value, device):
-    """The tensor for an offset given as a Python float: one per value and device, kept for the
-    life of the process, so that a CUDA graph or a plan that points at it never outlives it."""
-    key = (struct.pack("<f", value), device)
-    if key not in _OFFSETS:
-        _OFFSETS[key] = torch.tensor([value], dtype=torch.float32, device=device)
-    return _OFFSETS[key]
+def _offset_tensor(qs, value, device):
+    """The tensor for an offset ``qs`` gives as a Python float: one per state, held while the state
+    lives and keeps that value, as the state holds its tables (a plan or a captured CUDA graph reads
+    its address). A state without weakrefs gets a tensor for the call: it gets no plan either."""
+    state_id, value_key = id(qs), (struct.pack("<f", value), device)
+    held = _OFFSETS.get(state_id)
+    if held is not None and held[0]() is qs and held[1] == value_key:
+        return held[2]
+    tensor = torch.tensor([value], dtype=torch.float32, device=device)
+    try:
+        # The callback's globals are bound now: at interpreter exit a state may die after them.
+        state_ref = weakref.ref(qs, lambda ref, state_id=state_id, offsets=_OFFSETS, forget=_forget_offset:
+                                forget(offsets, state_id, ref))
+    except TypeError:
+        return tensor
+    _OFFSETS[state_id] = (state_ref, value_key, tensor)
+    return tensor
+
+
+def _forget_offset(offsets, state_id, state_ref):
+    """A state died: free its offset's tensor, unless a newer state already took its id."""
+    held = offsets.get(state_id)
+    if held is not None and held[0] is state_ref:
+        del offsets[state_id]
 
 
 def _overlaps(a, b):

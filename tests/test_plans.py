@@ -370,12 +370,27 @@ def test_plan_with_float_offset(device):
         junk = [torch.randn(1024, device=device) for _ in range(8)]  # reuse freed blocks
         assert_bit_exact(kernel.dequantize_nf4(packed, state), expected)
         del junk
-    offset_tensor = kernel._offset_tensor(state.offset, packed.device)
+    offset_tensor = kernel._offset_tensor(state, state.offset, packed.device)
     kernel.set_launch_config()  # drops every plan
     gc.collect()
-    assert kernel._offset_tensor(state.offset, packed.device) is offset_tensor
+    assert kernel._offset_tensor(state, state.offset, packed.device) is offset_tensor
     state.offset += 0.5  # another value: another tensor, and the plan sees it
     assert_bit_exact(kernel.dequantize_nf4(packed, state), expected_values(packed, state))
+
+
+def test_float_offsets_freed_with_their_states(device):
+    """The tensor made for a float offset lives as long as its state: 20 states that came and went,
+    each with its own float offset, leave none behind."""
+    packed, state = quantize((64, 64), device=device, seed=46)
+    gc.collect()
+    held = len(kernel._OFFSETS)
+    for step in range(20):
+        twin = copy.copy(state)
+        twin.offset = float(state.offset) + step / 64
+        assert_bit_exact(kernel.dequantize_nf4(packed, twin), expected_values(packed, twin))
+    del twin
+    gc.collect()
+    assert len(kernel._OFFSETS) <= held
 
 
 def test_same_state_for_two_packed_tensors(device):
