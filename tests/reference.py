@@ -67,3 +67,21 @@ KNOWN_BAD = {
 # Rejected on weights whose scales reach subnormal range (tests/test_kernel.py); on ordinary
 # weights it agrees with bitsandbytes.
 KNOWN_BAD_SUBNORMAL = functools.partial(dequantize_reference, keep_subnormals=True)
+
+
+def linear_reference(x, weight, bias=None):
+    """``x @ weight.T + bias`` in fp64 on the CPU: the exact sum of the rounded operands."""
+    y = x.detach().cpu().double() @ weight.detach().cpu().double().T
+    return y if bias is None else y + bias.detach().cpu().double()
+
+
+def linear_error_bound(y, x, weight, bias=None):
+    """What an fp32 accumulation and one rounding of the result to y's dtype may differ from
+    ``linear_reference`` by, elementwise: one unit in the last place of y (the rounding, with room
+    for a sum that lands on a binade edge) plus K * 2**-24 of the sum of absolute products."""
+    magnitude = y.detach().cpu().abs()
+    ulp = (torch.nextafter(magnitude, torch.full_like(magnitude, math.inf)) - magnitude).double()
+    absolute = x.detach().cpu().double().abs() @ weight.detach().cpu().double().abs().T
+    if bias is not None:
+        absolute = absolute + bias.detach().cpu().double().abs()
+    return ulp + x.shape[-1] * 2.0**-24 * absolute

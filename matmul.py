@@ -1,0 +1,470 @@
+"""A fused NF4 matmul: ``y = x @ dequantize_nf4(W).T (+ bias)`` straight from bitsandbytes' bytes.
+
+Each program decodes a ``BLOCK_N x BLOCK_K`` tile of the weight in registers with the
+dequantization's own exact arithmetic (``kernel.py``: fp32 ``code * scale`` without FMA, one cast
+to the activations' dtype) and multiplies it with the matching tile of ``x``: no 16-bit weight is
+ever written. The only difference from dequantize + ``F.linear`` is the order of the fp32 sums.
+
+Two shapes of program, both over bitsandbytes' layout as it is (no repack):
+- ``DOT``: the weight tile is the left operand of ``tl.dot`` (tensor cores) against ``x``'s tile
+  transposed, so a few rows of ``x`` only pad the narrow side of the product;
+- FMA: for one or two rows, each decoded weight is multiplied into fp32 accumulators and reduced
+  along K at the end (also the path for bf16 on sm_75, which has no bf16 tensor-core product).
+Where N alone does not fill the GPU, ``SPLIT_K`` programs share a row of outputs: each writes its
+fp32 partial sums and a second small kernel adds them in a fixed order (deterministic), adds the
+bias and casts.
+"""
+
+import copy
+import typing
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+import kernel
+from kernel import _TL_DTYPE, INTERPRET, _add_rn, _decode, _fp32_to_bf16_rne, _jit, _lookup, _mul_ftz
+
+__all__ = ["nf4_linear", "choose_route", "Route", "MatmulConfig", "MATMUL_ROUTES", "nf4_matmul_kernel",
+           "split_k_reduce_kernel"]
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+@_jit
+def _add(a, b):
+    return a + b
+
+
+@_jit
+def _block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, mask, BLOCKSIZE2: tl.constexpr,
+                  NESTED: tl.constexpr, TABLE_HINT: tl.constexpr, USE_ASM: tl.constexpr, SHARED_TABLES: tl.constexpr):
+    """fp32 scale of each quantization block index in ``block`` (the absmax decode of kernel.py)."""
+    if NESTED:
+        absmax_q = tl.load(absmax_ptr + block, mask=mask, other=0, eviction_policy=TABLE_HINT)
+        absmax_code = _lookup(code2_ptr, absmax_q.to(tl.int32), 256, TABLE_HINT, SHARED_TABLES)
+        absmax2 = tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=mask, other=0, eviction_policy=TABLE_HINT)
+        return _add_rn(_mul_ftz(absmax_code, absmax2, USE_ASM), tl.load(offset_ptr), USE_ASM)
+    else:
+        return tl.load(absmax_ptr + block, mask=mask, other=0.0, eviction_policy=TABLE_HINT)
+
+
+@_jit
+def _codebook(code_ptr, FP4: tl.constexpr):
+    """The 16 code values in fp32; FP4's codes 8 to 15 carry the sign bit as bitsandbytes forms
+    them (sign * magnitude, so code 8 is -0.0)."""
+    index = tl.arange(0, 16)
+    values = tl.load(code_ptr + index)
+    if FP4:
+        values = (values.to(tl.uint32, bitcast=True) | ((index >> 3).to(tl.uint32) << 31)).to(tl.float32, bitcast=True)
+    return values
+
+
+@_jit
+def _weight_tile(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, codebook, n, k0, N, K,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr,
+                 NESTED: tl.constexpr, FP4: tl.constexpr, W_DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
+                 BF16_VIA_INT: tl.constexpr, SHARED_TABLES: tl.constexpr, USE_INT64: tl.constexpr):
+    """Rows ``n`` (BLOCK_N), columns ``k0 .. k0 + BLOCK_K`` of the weight as W_DTYPE, shaped
+    [BLOCK_N, SCALES, WORDS_PER_SCALE, 8]: SCALES quantization blocks per row, each read as int32
+    words of 8 codes in column order (K and BLOCKSIZE are multiples of 8).
+
+    The values are those of kernel.py's decode, ``W_DTYPE(fp32(code * scale))``, formed per block
+    as a table of the 16 possible products, then looked up by code: 16 multiplies and casts per
+    block instead of one per element, and one shared-memory load per element."""
+    TABLE_HINT: tl.constexpr = "evict_last"
+    SCALE_SPAN: tl.constexpr = BLOCKSIZE if BLOCKSIZE < BLOCK_K else BLOCK_K  # columns of a block in the tile
+    SCALES: tl.constexpr = BLOCK_K // SCALE_SPAN
+    WORDS_PER_SCALE: tl.constexpr = SCALE_SPAN // 8
+    row = n.to(tl.int64) if USE_INT64 else n
+    row_mask = n < N
+    block_in_tile = tl.arange(0, SCALES)
+
+    block = row[:, None] * (K // BLOCKSIZE) + (k0 // BLOCKSIZE + block_in_tile)[None, :]  # [BLOCK_N, SCALES]
+    block_mask = row_mask[:, None] & ((k0 + block_in_tile * SCALE_SPAN)[None, :] < K)
+    scales = _block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, block_mask, BLOCKSIZE2, NESTED,
+                           TABLE_HINT, USE_ASM, SHARED_TABLES)
+
+    word = (k0 // 8 + block_in_tile[:, None] * WORDS_PER_SCALE + tl.arange(0, WORDS_PER_SCALE)[None, :])  # [SCALES, W]
+    words = tl.load(packed_ptr.to(tl.pointer_type(tl.int32)) + row[:, None, None] * (K // 8) + word[None, :, :],
+                    mask=row_mask[:, None, None] & (word < K // 8)[None, :, :], other=0)
+    element = tl.arange(0, 8)
+    shifts = 8 * (element // 2) + 4 * (1 - element % 2)  # element 2j is byte j's high nibble
+    codes = (words[:, :, :, None] >> shifts[None, None, None, :]) & 0xF  # [BLOCK_N, SCALES, W, 8]
+
+    if SHARED_TABLES:
+        products = _mul_ftz(codebook[None, None, :], scales[:, :, None], USE_ASM)  # [BLOCK_N, SCALES, 16]
+        if W_DTYPE == tl.bfloat16 and BF16_VIA_INT:
+            products = _fp32_to_bf16_rne(products)
+        else:
+            products = products.to(W_DTYPE)
+        table_row = (tl.arange(0, BLOCK_N)[:, None] * SCALES + block_in_tile[None, :]) * 16
+        index = table_row[:, :, None, None] + codes
+        values = tl.gather(tl.reshape(products, (BLOCK_N * SCALES * 16,)), tl.reshape(index, (index.numel,)), 0)
+        return tl.reshape(values, (BLOCK_N, SCALES, WORDS_PER_SCALE, 8))
+    else:
+        values = _decode(codes, tl.broadcast_to(scales[:, :, None, None], codes.shape), code_ptr, TABLE_HINT, FP4,
+                         USE_ASM, False)
+        if W_DTYPE == tl.bfloat16 and BF16_VIA_INT:
+            return _fp32_to_bf16_rne(values)
+        else:
+            return values.to(W_DTYPE)
+
+
+@_jit
+def nf4_matmul_kernel(
+    # inputs
+    x_ptr,  # [M, K] activations (row stride stride_xm, unit column stride)
+    packed_ptr,  # uint8 [N * K / 2], the weight [N, K] row-major, two codes per byte, high nibble first
+    absmax_ptr,  # uint8 [N * K / BLOCKSIZE] when NESTED, else fp32
+    code_ptr,  # fp32 [16], the 4-bit codebook (NF4 or FP4)
+    absmax2_ptr,  # fp32 [ceil(n_blocks / BLOCKSIZE2)] (NESTED only)
+    code2_ptr,  # fp32 [256] (NESTED only)
+    offset_ptr,  # fp32 [1] (NESTED only)
+    bias_ptr,  # [N] in x's dtype (HAS_BIAS only)
+    # output
+    out_ptr,  # [M, N] in x's dtype; with SPLIT_K > 1, fp32 partial sums [SPLIT_K, M, N]
+    # sizes
+    M,  # rows of x
+    N,  # output features (rows of the weight)
+    K,  # input features, a multiple of BLOCKSIZE and of 8
+    stride_xm,  # elements between rows of x
+    # format
+    BLOCKSIZE: tl.constexpr,  # elements per absmax (power of two >= 8)
+    BLOCKSIZE2: tl.constexpr,  # absmax values per absmax2 (NESTED only)
+    NESTED: tl.constexpr,  # double-quantized absmax
+    FP4: tl.constexpr,  # quant_type="fp4"
+    X_DTYPE: tl.constexpr,  # tl.float16, tl.bfloat16 or tl.float32: activations, decoded weight and output
+    # implementation
+    BLOCK_M: tl.constexpr,  # rows of x per program (>= 16 with DOT)
+    BLOCK_N: tl.constexpr,  # weight rows per program
+    BLOCK_K: tl.constexpr,  # columns per step (a multiple of 8)
+    SPLIT_K: tl.constexpr,  # programs sharing one output tile along K (fp32 partials when > 1)
+    DOT: tl.constexpr,  # tensor-core tl.dot, else fp32 FMA
+    HAS_BIAS: tl.constexpr,  # add bias (SPLIT_K == 1 only; the reduction adds it otherwise)
+    USE_ASM: tl.constexpr,  # inline-PTX arithmetic (NVIDIA only)
+    BF16_VIA_INT: tl.constexpr,  # round to bf16 with integer ops (sm_75, interpreter)
+    SHARED_TABLES: tl.constexpr,  # codebooks in shared memory (tl.gather)
+    USE_INT64: tl.constexpr,  # 64-bit offsets (the weight has more than 2**31 - 1 elements)
+):
+    SCALE_SPAN: tl.constexpr = BLOCKSIZE if BLOCKSIZE < BLOCK_K else BLOCK_K
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    # This program's share of K: whole BLOCK_K steps.
+    steps = (K + BLOCK_K - 1) // BLOCK_K
+    steps_per_split = (steps + SPLIT_K - 1) // SPLIT_K
+    first = pid_k * steps_per_split
+    last = tl.minimum(first + steps_per_split, steps)
+
+    codebook = _codebook(code_ptr, FP4)
+    if DOT:
+        acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+    else:
+        acc = tl.full((BLOCK_N, BLOCK_K // SCALE_SPAN, SCALE_SPAN // 8), 0.0, tl.float32)
+    for step in range(first, last):
+        k0 = step * BLOCK_K
+        w = _weight_tile(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, codebook, n, k0, N, K,
+                         BLOCK_N, BLOCK_K, BLOCKSIZE, BLOCKSIZE2, NESTED, FP4, X_DTYPE, USE_ASM, BF16_VIA_INT,
+                         SHARED_TABLES, USE_INT64)
+        if DOT:
+            k = k0 + tl.arange(0, BLOCK_K)
+            x_t = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=m_mask[None, :] & (k[:, None] < K),
+                          other=0.0)  # [BLOCK_K, BLOCK_M]
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+            if X_DTYPE == tl.float32:
+                acc = tl.dot(w, x_t, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, x_t, acc)
+        else:  # one row of x (BLOCK_M == 1), shaped like the weight tile's row
+            k = k0 + tl.reshape(tl.arange(0, BLOCK_K), (BLOCK_K // SCALE_SPAN, SCALE_SPAN // 8, 8))
+            x = tl.load(x_ptr + pid_m * stride_xm + k, mask=k < K, other=0.0)
+            # each thread holds a word's 8 codes: their sum needs no exchange between threads
+            acc += tl.reduce(w.to(tl.float32) * x.to(tl.float32)[None, :, :, :], 3, _add)
+    if DOT:
+        result = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    else:
+        result = tl.reshape(tl.reduce(tl.reshape(acc, (BLOCK_N, BLOCK_K // 8)), 1, _add), (1, BLOCK_N))
+
+    out_mask = m_mask[:, None] & (n[None, :] < N)
+    if SPLIT_K > 1:
+        partial = out_ptr + pid_k.to(tl.int64) * M * N
+        tl.store(partial + m[:, None] * N + n[None, :], result, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            result += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        if X_DTYPE == tl.bfloat16 and BF16_VIA_INT:
+            result = _fp32_to_bf16_rne(result)
+        tl.store(out_ptr + m[:, None] * N + n[None, :], result.to(X_DTYPE), mask=out_mask)
+
+
+@_jit
+def split_k_reduce_kernel(
+    partial_ptr,  # fp32 [SPLIT_K, n_elements]
+    bias_ptr,  # [N] (HAS_BIAS only)
+    out_ptr,  # [n_elements] = [M, N] in OUT_DTYPE
+    n_elements,  # M * N
+    N,  # output features (the bias' length)
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    BF16_VIA_INT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    total = tl.full((BLOCK,), 0.0, tl.float32)
+    for split in tl.static_range(SPLIT_K):  # a fixed order: the same sums on every call
+        total += tl.load(partial_ptr + split * n_elements + offsets, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + offsets % N, mask=mask, other=0.0).to(tl.float32)
+    if OUT_DTYPE == tl.bfloat16 and BF16_VIA_INT:
+        total = _fp32_to_bf16_rne(total)
+    tl.store(out_ptr + offsets, total.to(OUT_DTYPE), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------
+class MatmulConfig(typing.NamedTuple):
+    """How the fused matmul is launched."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    dot: bool
+    num_warps: int
+    num_stages: int = 2
+    shared_tables: bool = True  # per-block product tables looked up in shared memory (Triton >= 3.4)
+
+
+class Route(typing.NamedTuple):
+    """How ``nf4_linear`` computes up to ``max_rows`` rows of x against a weight of at least
+    ``min_weight`` elements, ``min_in`` input and ``min_out`` output features: "fused" (with
+    ``config``), "dequantize" (dequantize_nf4 + cuBLAS) or "bitsandbytes" (its own 4-bit matmul:
+    its GEMV at one row, its fused kernel for a few)."""
+
+    max_rows: int
+    path: str
+    config: typing.Optional[MatmulConfig] = None
+    min_weight: int = 0
+    min_in: int = 0
+    min_out: int = 0
+
+
+C = MatmulConfig
+_M = 1 << 20
+# Compute capability -> routes, the first one a call fits wins (else dequantize + cuBLAS).
+# sm_90: the fastest path at each measured point of the H100 sweep (bf16, CUDA-graph GPU time,
+# matmulbench.py --sweep; NOTES.md item 67), us at M rows:
+MATMUL_ROUTES = {
+    (9, 0): (
+        # bitsandbytes' GEMV and small-batch kernel: 29.5 / 44.3 against 37.3 / 51.2 at 4096x14336, M=1 / 2
+        Route(2, "bitsandbytes"),
+        # 51.0 against bitsandbytes 66.5 and dequantize 100.8 at 4096x14336, M=16; 18.9 / 37.3 / 25.9 at 4096x4096
+        Route(16, "fused", C(16, 64, 128, 4, True, 4, 2), min_weight=16 * _M),
+        # 10.0 against 17.4 / 11.4 at 4096x1024, M=16 (64 wide: 16.0)
+        Route(16, "fused", C(16, 32, 256, 4, True, 4, 2)),
+        # 237.8 against 362.4 / 379.3 at 8192x28672, M=64; 247.4 against 462.7 / 382.5 at 28672x8192
+        Route(64, "fused", C(64, 64, 128, 2, True, 4, 3), min_in=8192, min_out=8192, min_weight=56 * _M),
+        # 93.1 against 124.8 / 101.7 at 14336x4096, M=64 (128 deep: 105.8)
+        Route(64, "fused", C(64, 64, 64, 2, True, 8, 3), min_in=14336, min_weight=56 * _M),
+        # bitsandbytes 68.4 against 70.5 fused at 4096x14336, M=32
+        Route(32, "bitsandbytes", min_weight=56 * _M),
+        # 71.3 against 121.6 / 98.8 at 4096x14336, M=64
+        Route(64, "fused", C(64, 64, 128, 1, True, 4, 3), min_weight=56 * _M),
+        # 89.5 / 317.8 / 274.6 against dequantize 100.3 / 380.0 / 390.6 at 4096x14336, 8192x28672,
+        # 28672x8192, M=128 (at 14336x4096 dequantize wins: 105.9 against 123.9)
+        Route(128, "fused", C(128, 64, 128, 2, True, 4, 3), min_weight=56 * _M, min_out=8192),
+    ),
+}
+# Other GPUs, not measured: the fused kernel for a few rows, where it reads the least memory per
+# result; dequantize + cuBLAS from 17 rows on.
+DEFAULT_ROUTES = (Route(1, "fused", C(1, 32, 256, 4, False, 4, 3, False)), Route(16, "fused", C(16, 32, 256, 4, True, 4, 2)))
+_DEQUANTIZE = Route(2**62, "dequantize")
+
+
+def choose_route(capability, rows, in_features, out_features):
+    """The Route for ``rows`` rows of x against an (out_features, in_features) weight on a GPU of
+    ``capability``: a pure function of the four."""
+    for route in MATMUL_ROUTES.get(tuple(capability), DEFAULT_ROUTES):
+        if (rows <= route.max_rows and in_features * out_features >= route.min_weight and in_features >= route.min_in
+                and out_features >= route.min_out):
+            return route
+    return _DEQUANTIZE
+
+
+def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2, nested, fp4, config,
+                 use_asm=None, bf16_via_int=None):
+    """Launch the fused matmul (and the split-K reduction) for validated arguments."""
+    absmax, code, absmax2, code2, offset = tables
+    if packed.data_ptr() % 4:
+        packed = packed.clone()  # int32 word loads need 4-byte alignment; a fresh allocation has it
+    m = x2d.shape[0]
+    x_dtype = _TL_DTYPE[x2d.dtype]
+    if use_asm is None:
+        use_asm = not INTERPRET and torch.version.hip is None
+    if bf16_via_int is None:
+        bf16_via_int = INTERPRET or (not INTERPRET and torch.cuda.get_device_capability(x2d.device) < (8, 0))
+    split_k = config.split_k
+    target = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x2d.device)
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split_k)
+    nf4_matmul_kernel[grid](
+        x2d, packed, absmax, code, absmax2, code2, offset, bias if bias is not None else out, target,
+        m, n, k, x2d.stride(0),
+        BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, FP4=fp4, X_DTYPE=x_dtype,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, DOT=config.dot,
+        HAS_BIAS=bias is not None and split_k == 1, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int,
+        SHARED_TABLES=config.shared_tables, USE_INT64=n * k > 2**31 - 1,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split_k > 1:
+        block = 1024
+        split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            target, bias if bias is not None else out, out, m * n, n,
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, OUT_DTYPE=x_dtype, BF16_VIA_INT=bf16_via_int, BLOCK=block,
+            num_warps=4,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+def _require(condition, message):
+    if not condition:
+        raise ValueError(f"nf4_linear: {message}")
+
+
+def _fused_supported(blocksize, k, x):
+    """Whether the fused kernel reads this layout: whole int32 words within one block per row (a
+    packed view off a 4-byte boundary is copied at launch), and on sm_75 no bf16 tensor-core
+    product (the FMA form would serve one row; such calls take dequantize + matmul)."""
+    return (blocksize >= 8 and k % blocksize == 0
+            and (INTERPRET or x.dtype is not torch.bfloat16 or torch.cuda.get_device_capability(x.device) >= (8, 0)))
+
+
+def nf4_linear(x, weight, quant_state=None, bias=None):
+    """``x @ W.T (+ bias)`` for a bitsandbytes 4-bit weight W of shape (out, in), computed by the
+    route ``choose_route`` gives (the fused kernel, dequantize + cuBLAS, or bitsandbytes' own
+    kernel for one or two rows on the GPUs it was measured on).
+
+    ``weight``: a ``Linear4bit``, its ``Params4bit``, or the packed tensor with its ``QuantState``
+    (NF4 or FP4, nested or flat absmax, any packed storage dtype). ``x``: (..., in) in fp16, bf16
+    or fp32; the result is (..., out) in x's dtype. The weight is decoded as ``dequantize_nf4``
+    decodes it, rounded once to x's dtype; only the order of the fp32 sums differs from
+    ``F.linear(x, W)``. ``bias``: (out,) in x's dtype, or None (a module's own bias is not taken).
+    """
+    packed, qs = kernel._resolve(weight, quant_state)
+    _require(isinstance(x, torch.Tensor), f"x must be a tensor, got {type(x).__name__}")
+    _require(isinstance(packed, torch.Tensor), f"weight must be a tensor, Params4bit or Linear4bit, got {type(weight).__name__}")
+    _require(qs is not None, "no quant_state given and the weight carries none")
+    _require(x.dtype in kernel.OUTPUT_DTYPES, f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    shape = getattr(qs, "shape", None)
+    _require(isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 2,
+             f"the quant_state's shape must be (out, in), got {shape!r}")
+    out_features, in_features = (int(dim) for dim in shape)
+    _require(x.dim() >= 1 and x.shape[-1] == in_features,
+             f"x has {x.shape[-1] if x.dim() else 0} features in its last dimension, the weight takes {in_features}")
+    _require(x.device == packed.device, f"x is on {x.device} but the weight is on {packed.device}")
+    if bias is not None:
+        _require(isinstance(bias, torch.Tensor) and bias.shape == (out_features,),
+                 f"bias must be a tensor of shape ({out_features},), got {getattr(bias, 'shape', bias)!r}")
+        _require(bias.dtype == x.dtype, f"bias must be {x.dtype} like x, got {bias.dtype}")
+        _require(bias.device == x.device, f"bias is on {bias.device} but x is on {x.device}")
+    rows = x.numel() // in_features if in_features else 0
+    capability = kernel.device_facts(x.device)[0]
+    route = choose_route(capability, rows, in_features, out_features)
+    return _compute(x, packed, qs, bias, route)
+
+
+def _compute(x, packed, qs, bias, route):
+    out_features, in_features = (int(dim) for dim in qs.shape)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, in_features)
+    if x2d.stride(-1) != 1 or (x2d.shape[0] > 1 and x2d.stride(0) < in_features):
+        x2d = x2d.contiguous()
+    path = route.path
+    if path == "bitsandbytes" and (INTERPRET or torch.compiler.is_compiling()):
+        path = "dequantize"  # its kernels run on CUDA tensors, and outside a compiled graph
+    if path == "fused":
+        _, blocksize, nested, blocksize2, tables = kernel._check_state(packed, qs)
+        if x2d.numel() == 0 or out_features == 0 or not _fused_supported(blocksize, in_features, x2d):
+            path = "dequantize"
+    if path == "bitsandbytes":
+        import bitsandbytes
+
+        return bitsandbytes.matmul_4bit(x2d, packed, quant_state=qs, bias=bias).reshape(*lead, out_features)
+    if path == "dequantize":
+        return F.linear(x, _decoded_weight(packed, qs, x.dtype), bias)
+    if torch.compiler.is_compiling():
+        absmax, code, absmax2, code2, offset = tables
+        y = torch.ops.nf4_triton.linear(x2d, packed.view(torch.uint8), absmax, code, absmax2, code2, offset, bias,
+                                        out_features, blocksize, blocksize2, nested, qs.quant_type == "fp4",
+                                        [int(value) for value in route.config])
+        return y.reshape(*lead, out_features)
+    y = torch.empty((x2d.shape[0], out_features), dtype=x.dtype, device=x.device)
+    launch_fused(x2d, packed.view(torch.uint8), tables, bias, y, n=out_features, k=in_features, blocksize=blocksize,
+                 blocksize2=blocksize2, nested=nested, fp4=qs.quant_type == "fp4", config=route.config)
+    return y.reshape(*lead, out_features)
+
+
+def _decoded_weight(packed, qs, dtype):
+    """W (out, in) in ``dtype``, each value rounded once from its fp32 decode."""
+    if qs.dtype is not dtype:
+        qs = copy.copy(qs)  # the caller's state is not touched
+        qs.dtype = torch.float32
+    weight = kernel.dequantize_nf4(packed, qs)
+    if packed.dim() > 0 and packed.shape[0] == 1:
+        weight = weight.t()  # dequantize returns a one-row packed weight transposed (bitsandbytes' rule)
+    return weight.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile: the fused kernel as a torch.library operator
+# --------------------------------------------------------------------------------------------
+def _linear_op(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    code: torch.Tensor,
+    absmax2: torch.Tensor,
+    code2: torch.Tensor,
+    offset: torch.Tensor,
+    bias: typing.Optional[torch.Tensor],
+    out_features: int,
+    blocksize: int,
+    blocksize2: int,
+    nested: bool,
+    fp4: bool,
+    config: list[int],
+) -> torch.Tensor:
+    """The operator's body: allocate and launch (inputs validated by ``nf4_linear``)."""
+    y = torch.empty((x.shape[0], out_features), dtype=x.dtype, device=x.device)
+    launch_fused(x, packed, (absmax, code, absmax2, code2, offset), bias, y, n=out_features, k=x.shape[1],
+                 blocksize=blocksize, blocksize2=blocksize2, nested=nested, fp4=fp4, config=_config_of(config))
+    return y
+
+
+def _config_of(values):
+    """A MatmulConfig from the operator's list of ints."""
+    return MatmulConfig(*(bool(value) if isinstance(default, bool) else value
+                          for value, default in zip(values, _CONFIG_KINDS)))
+
+
+_CONFIG_KINDS = MatmulConfig(1, 1, 1, 1, True, 1, 1, True)
+
+
+def _linear_op_fake(x, packed, absmax, code, absmax2, code2, offset, bias, out_features, blocksize, blocksize2,
+                    nested, fp4, config):
+    return x.new_empty((x.shape[0], out_features))
+
+
+_linear_custom_op = torch.library.custom_op("nf4_triton::linear", _linear_op, mutates_args=())
+_linear_custom_op.register_fake(_linear_op_fake)

@@ -1,0 +1,186 @@
+"""Benchmark section ``matmul``: the fused NF4 matmul against bitsandbytes, dequantize + cuBLAS and a
+16-bit weight already in memory, over row counts M, with the roofline measured in the same run.
+
+    python matmulbench.py [--dtype fp16|bf16|all] [--rounds N] [--out FOLDER] [--sweep]
+
+GPU time per call comes from CUDA graphs: one graph calls the layer once for each of several
+copies of its weight (more bytes than three L2 sizes, as a model's layers are read from memory,
+not cache), and a replay's time over the calls is one sample. Contenders are interleaved within
+each round; the median over rounds is reported with p20 and p80. The roofline of a point is
+max(NF4 bytes / copy bandwidth, 2 M K N / dense matmul rate), both measured here.
+"""
+
+import argparse
+import copy
+import statistics
+
+import torch
+
+import matmul
+
+LAYERS = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (8192, 28672), (28672, 8192)]  # (in, out)
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def make_layer(in_features, out_features, dtype, seed=0):
+    """A bitsandbytes NF4 Linear4bit (double-quantized absmax) on the GPU, computing in dtype."""
+    import bitsandbytes as bnb
+
+    torch.manual_seed(seed)
+    layer = bnb.nn.Linear4bit(in_features, out_features, bias=False, compute_dtype=dtype, compress_statistics=True,
+                              quant_type="nf4", device="cpu")
+    layer = layer.cuda()
+    layer.weight.quant_state.dtype = dtype
+    return layer
+
+
+def nf4_bytes(in_features, out_features):
+    """Bytes a layer's NF4 weight occupies: packed codes, uint8 absmax, absmax2 (fp32 per 256 blocks)."""
+    n = in_features * out_features
+    return n // 2 + n // 64 + 4 * -(-n // (64 * 256))
+
+
+def copies_for(in_features, out_features, l2_bytes, most=64):
+    """How many copies of a weight make the graph read more than three L2 sizes."""
+    return max(2, min(most, -(-3 * l2_bytes // nf4_bytes(in_features, out_features))))
+
+
+def graph_us(calls, replays=20):
+    """GPU microseconds per call of a CUDA graph that runs every callable in ``calls`` once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+
+
+def copy_bandwidth():
+    """Device-to-device copy, GB/s of bytes read + written (1 GiB each way), by CUDA graph."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = statistics.median(graph_us([lambda: dst.copy_(src)], replays=5) for _ in range(3))
+    return 2 * src.numel() / us / 1e3
+
+
+def dense_tflops(dtype):
+    """A large dense matmul in dtype through cuBLAS, TFLOP/s."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+    b = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+    us = statistics.median(graph_us([lambda: a @ b], replays=10) for _ in range(3))
+    return 2 * 8192**3 / us / 1e6
+
+
+def fused_call(layer, x, config, out):
+    """f() computing x @ W.T through the fused kernel with this config, into out (no validation)."""
+    state = layer.weight.quant_state
+    tables = (state.absmax, state.code, state.state2.absmax, state.state2.code,
+              state.offset if isinstance(state.offset, torch.Tensor) else torch.tensor([state.offset], device="cuda"))
+    packed = layer.weight.data.view(torch.uint8)
+    n, k = state.shape
+    return lambda: matmul.launch_fused(x, packed, tables, None, out, n=n, k=k, blocksize=state.blocksize,
+                                       blocksize2=state.state2.blocksize, nested=True, fp4=False, config=config)
+
+
+C = matmul.MatmulConfig
+# Candidates per row count, from a wider sweep at 4096x14336 and 14336x4096 (NOTES.md, item 67).
+CANDIDATES = {
+    1: [C(1, 32, 256, 4, False, 4, 3, False), C(1, 16, 256, 1, False, 4, 3), C(1, 32, 256, 4, False, 8, 3, False),
+        C(1, 64, 128, 4, False, 4, 3), C(1, 16, 256, 4, False, 4, 3), C(16, 64, 128, 4, True, 4, 2)],
+    16: [C(16, 64, 128, 4, True, 4, 2), C(16, 64, 256, 4, True, 4, 2), C(16, 64, 128, 1, True, 4, 2),
+         C(16, 64, 256, 1, True, 4, 2), C(16, 32, 256, 4, True, 4, 2), C(16, 64, 128, 2, True, 4, 2)],
+    64: [C(64, 64, 128, 1, True, 4, 3), C(64, 64, 64, 2, True, 8, 3), C(64, 128, 64, 2, True, 4, 3),
+         C(64, 64, 128, 2, True, 4, 3), C(16, 64, 128, 4, True, 4, 2)],
+    512: [C(128, 64, 128, 1, True, 4, 3), C(128, 64, 128, 2, True, 4, 3), C(64, 64, 128, 1, True, 4, 3),
+          C(64, 64, 64, 2, True, 8, 3)],
+}
+
+
+def candidates(m):
+    """The candidate configs for M rows: those of the smallest bucket at or above M."""
+    return CANDIDATES[next(bucket for bucket in sorted(CANDIDATES) if m <= bucket or bucket == max(CANDIDATES))]
+
+
+def baselines(layers, x):
+    """name -> calls (one per weight copy): bitsandbytes' forward, dequantize + F.linear, and
+    F.linear on a 16-bit weight already in memory."""
+    import kernel
+
+    resident = [kernel.dequantize_nf4(layer) for layer in layers]
+    return {
+        "bitsandbytes": [lambda layer=layer: layer(x) for layer in layers],
+        "dequantize + F.linear": [lambda layer=layer: torch.nn.functional.linear(x, kernel.dequantize_nf4(layer))
+                                  for layer in layers],
+        "resident 16-bit": [lambda w=w: torch.nn.functional.linear(x, w) for w in resident],
+    }
+
+
+def sweep(dtype, layers, rows, configs, log=print):
+    """Time every config at every (layer, M); check each against dequantize + F.linear."""
+    import kernel
+
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    results = []
+    for in_features, out_features in layers:
+        base = make_layer(in_features, out_features, dtype)
+        layers_ = [base] + [copy.deepcopy(base) for _ in range(copies_for(in_features, out_features, l2) - 1)]
+        w = kernel.dequantize_nf4(base)
+        for m in rows:
+            x = torch.randn(m, in_features, device="cuda", dtype=dtype)
+            ref = x.float() @ w.float().T
+            scale = ref.abs().max().item()
+            out = torch.empty(m, out_features, device="cuda", dtype=dtype)
+            with torch.no_grad():
+                for name, calls in baselines(layers_, x).items():
+                    log(f"row,{dtype},{in_features}x{out_features},{m},{graph_us(calls):.2f},0,{name}")
+            for config in configs(m):
+                try:
+                    calls = [fused_call(layer, x, config, out) for layer in layers_]
+                    calls[0]()
+                    torch.cuda.synchronize()
+                    error = (out.float() - ref).abs().max().item() / scale
+                    us = graph_us(calls)
+                except Exception as exc:  # a config the compiler refuses (shared memory, registers)
+                    log(f"{in_features}x{out_features} M={m} {config}: {type(exc).__name__} {str(exc)[:80]}")
+                    continue
+                results.append(dict(layer=f"{in_features}x{out_features}", m=m, config=config, us=us, error=error))
+                log(f"row,{dtype},{in_features}x{out_features},{m},{us:.2f},{error:.2e},{tuple(config)}")
+            best = sorted((r for r in results if r["layer"] == f"{in_features}x{out_features}" and r["m"] == m),
+                          key=lambda r: r["us"])[:5]
+            for r in best:
+                log(f"{r['layer']} M={m}: {r['us']:.2f} us err {r['error']:.1e} {r['config']}")
+        del layers_, base
+        torch.cuda.empty_cache()
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bf16", choices=[*DTYPES, "all"])
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--layers", default=None, help="e.g. 4096x14336,14336x4096")
+    parser.add_argument("--rows", default=None, help="e.g. 1,4,16")
+    args = parser.parse_args()
+    dtypes = DTYPES if args.dtype == "all" else {args.dtype: DTYPES[args.dtype]}
+    layers = [tuple(map(int, s.split("x"))) for s in args.layers.split(",")] if args.layers else LAYERS
+    rows = [int(s) for s in args.rows.split(",")] if args.rows else ROWS
+    if args.sweep:
+        for dtype in dtypes.values():
+            sweep(dtype, layers, rows, candidates)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""The fused NF4 matmul: every route and kernel shape against an fp64 reference of dequantize +
+matmul, known-bad products the check must reject, the accepted weight forms, errors, torch.compile.
+
+The contract: the weight decoded exactly as ``dequantize_nf4`` decodes it, rounded once to x's
+dtype; fp32 sums; one rounding of the result. So |y - exact| stays within one unit in the last
+place of y plus K * 2**-24 of the sum of absolute products (``reference.linear_error_bound``).
+Without CUDA the kernels run through Triton's interpreter, whose tl.dot is wrong for bf16 operands
+(Triton 3.9): the CPU runs the tensor-core shape in fp16 and fp32, bf16 only in the FMA shape.
+"""
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+import kernel
+import matmul
+from helpers import assert_unchanged, linear4bit, quantize, snapshot
+from matmul import MatmulConfig
+from reference import dequantize_reference, linear_error_bound, linear_reference
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+C = MatmulConfig
+# Kernel shapes: the FMA row, tensor-core tiles with and without split-K, a deeper and a wider one.
+CONFIGS = [C(1, 16, 64, 1, False, 4), C(1, 32, 128, 3, False, 4), C(16, 16, 64, 1, True, 4),
+           C(16, 32, 128, 2, True, 4), C(32, 16, 256, 4, True, 4, 3)]
+# (out, in) small and odd: a partial last tile of rows, K not a multiple of the tile, one block of K.
+SHAPES = [(17, 192), (40, 64), (1, 320)]
+
+
+def dtypes_for(config):
+    if HAS_CUDA:
+        return [torch.float16, torch.bfloat16]
+    return [torch.float16, torch.float32] if config.dot else [torch.float16, torch.bfloat16]
+
+
+def decoded(packed, state, dtype):
+    """The weight as the contract decodes it: bitsandbytes' arithmetic in fp32, rounded once to dtype."""
+    fp32_state = copy.copy(state)
+    fp32_state.dtype = torch.float32
+    return dequantize_reference(packed, fp32_state).to(dtype)
+
+
+def assert_within_bound(y, x, weight, bias=None):
+    exact = linear_reference(x, weight, bias)
+    error = (y.detach().cpu().double() - exact).abs()
+    bound = linear_error_bound(y, x, weight, bias)
+    assert torch.isfinite(y).all()
+    assert (error <= bound).all(), f"max error {error.max().item():.3g}, worst margin {(error - bound).max().item():.3g}"
+
+
+def launch(x, packed, state, config, bias=None):
+    n, k = state.shape
+    tables = (state.absmax, state.code, *(
+        (state.state2.absmax, state.state2.code,
+         state.offset if isinstance(state.offset, torch.Tensor) else torch.tensor([state.offset], device=x.device))
+        if state.nested else (state.absmax,) * 3))
+    y = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)  # poisoned: every element written
+    matmul.launch_fused(x, packed.view(torch.uint8), tables, bias, y, n=n, k=k, blocksize=state.blocksize,
+                        blocksize2=state.state2.blocksize if state.nested else 1, nested=state.nested,
+                        fp4=state.quant_type == "fp4", config=config)
+    return y
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_kernel_shapes_within_bound(config, shape):
+    for dtype, rows in itertools.product(dtypes_for(config), (1, 5) if config.dot else (1, 2)):
+        packed, state = quantize(shape, dtype=dtype, device=DEVICE, seed=rows + shape[0])
+        generator = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, shape[1], generator=generator).to(dtype).to(DEVICE)
+        bias = torch.randn(shape[0], generator=generator).to(dtype).to(DEVICE)
+        y = launch(x, packed, state, config, bias)
+        assert_within_bound(y, x, decoded(packed, state, dtype), bias)
+
+
+@pytest.mark.parametrize("known_bad", ["swap_nibbles", "drop_offset", "fp16_sums"])
+def test_bound_rejects_known_bad_products(known_bad):
+    """The check fails a product whose weight has one classic decode mistake, or whose sums run in
+    16 bits: proof that it can fail."""
+    packed, state = quantize((24, 512), dtype=torch.float16, seed=3)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(1)).half()
+    weight = decoded(packed, state, torch.float16)
+    if known_bad == "fp16_sums":
+        partial = (x.float()[:, None, :] * weight.float()[None, :, :]).half()
+        y = torch.zeros(4, 24, dtype=torch.float16)
+        for k in range(512):
+            y = y + partial[:, :, k]
+    else:
+        fp32_state = copy.copy(state)
+        fp32_state.dtype = torch.float32
+        bad = dequantize_reference(packed, fp32_state, **{known_bad: True}).half()
+        y = (x.double() @ bad.double().T).half()
+    with pytest.raises(AssertionError):
+        assert_within_bound(y, x, weight)
+
+
+FORMS = {
+    "nf4 nested": {},
+    "nf4 flat absmax": {"nested": False},
+    "fp4": {"quant_type": "fp4"},
+    "blocksize 128": {"blocksize": 128},
+    "blocksize 32": {"blocksize": 32},
+    "bf16 storage": {"storage": torch.bfloat16},
+    "fp32 storage": {"storage": torch.float32},
+}
+
+
+@pytest.mark.parametrize("form", FORMS, ids=str)
+@pytest.mark.parametrize("lead", [(3,), (2, 2), (1,)], ids=str)
+def test_nf4_linear_formats(form, lead):
+    dtype = torch.float16
+    packed, state = quantize((24, 256), dtype=dtype, device=DEVICE, seed=5, **FORMS[form])
+    x = torch.randn(*lead, 256, generator=torch.Generator().manual_seed(2)).half().to(DEVICE)
+    y = matmul.nf4_linear(x, packed, state)
+    assert y.shape == (*lead, 24) and y.dtype == dtype
+    assert_within_bound(y.reshape(-1, 24), x.reshape(-1, 256), decoded(packed, state, dtype))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+def test_nf4_linear_module_forms_and_routes(rows):
+    """A Linear4bit, its Params4bit and (packed, state) give the same result by every route the
+    call can take (the rows decide: fused at a few, dequantize + matmul at more)."""
+    layer, packed, state = linear4bit((40, 128), dtype=torch.float16, device=DEVICE, bias=True)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).half().to(DEVICE)
+    before = snapshot(packed, state)
+    x_before = x.clone()
+    results = [matmul.nf4_linear(x, form, bias=layer.bias.data) for form in (layer, layer.weight)]
+    results.append(matmul.nf4_linear(x, packed, state, bias=layer.bias.data))
+    assert all(torch.equal(results[0], other) for other in results[1:])
+    assert_within_bound(results[0], x, decoded(packed, state, torch.float16), layer.bias.data)
+    assert_unchanged(packed, state, before)
+    assert torch.equal(x, x_before)
+
+
+def test_nf4_linear_decodes_to_x_dtype():
+    """A state whose dtype differs from x's: the weight is rounded once, straight to x's dtype."""
+    packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=7)
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(3)).to(DEVICE)  # fp32, many rows
+    y = matmul.nf4_linear(x, packed, state)
+    assert y.dtype == torch.float32 and state.dtype == torch.float16
+    assert_within_bound(y, x, decoded(packed, state, torch.float32))
+
+
+@pytest.mark.parametrize("case", ["features", "dtype", "bias shape", "bias dtype", "no state", "state shape"])
+def test_nf4_linear_errors_name_the_problem(case):
+    packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=1)
+    x = torch.randn(2, 128).half().to(DEVICE)
+    args, kwargs, words = (x, packed, state), {}, ""
+    if case == "features":
+        args, words = (torch.randn(2, 96).half().to(DEVICE), packed, state), "features"
+    elif case == "dtype":
+        args, words = (x.to(torch.int32), packed, state), "float16, bfloat16 or float32"
+    elif case == "bias shape":
+        kwargs, words = {"bias": torch.zeros(23, dtype=torch.float16, device=DEVICE)}, "bias must be a tensor of shape"
+    elif case == "bias dtype":
+        kwargs, words = {"bias": torch.zeros(24, device=DEVICE)}, "bias must be torch.float16"
+    elif case == "no state":
+        args, words = (x, packed, None), "no quant_state"
+    elif case == "state shape":
+        state.shape = (24 * 128,)
+        words = r"shape must be \(out, in\)"
+    with pytest.raises(ValueError, match=words):
+        matmul.nf4_linear(*args, **kwargs)
+
+
+def test_routes_are_well_formed():
+    for routes in (*matmul.MATMUL_ROUTES.values(), matmul.DEFAULT_ROUTES):
+        for route in routes:
+            assert route.path in ("fused", "dequantize", "bitsandbytes")
+            assert (route.config is not None) == (route.path == "fused")
+            if route.config is not None:
+                assert route.config.block_m >= 16 if route.config.dot else route.config.block_m == 1
+                assert route.config.block_k % 8 == 0 and route.config.split_k >= 1
+    # the H100's table at the measured points (matmulbench.py --sweep)
+    assert matmul.choose_route((9, 0), 1, 4096, 14336).path == "bitsandbytes"
+    assert matmul.choose_route((9, 0), 16, 4096, 14336).config.block_n == 64
+    assert matmul.choose_route((9, 0), 16, 4096, 1024).config.block_n == 32
+    assert matmul.choose_route((9, 0), 128, 14336, 4096).path == "dequantize"
+    assert matmul.choose_route((9, 0), 4096, 4096, 14336).path == "dequantize"
+
+
+def test_nf4_linear_in_torch_compile_one_graph():
+    packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=4)
+    x = torch.randn(3, 128).half().to(DEVICE)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: matmul.nf4_linear(x, packed, state), fullgraph=True)
+    assert torch.equal(compiled(x), matmul.nf4_linear(x, packed, state))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_every_h100_route_within_bound(dtype):
+    """Each sm_90 route's fused configuration, forced at small odd shapes, and bitsandbytes' path
+    equal to its own matmul_4bit."""
+    import bitsandbytes
+
+    for route in matmul.MATMUL_ROUTES[(9, 0)]:
+        for shape, rows in (((72, 320), 3), ((136, 1024), route.max_rows)):
+            packed, state = quantize(shape, dtype=dtype, device="cuda", seed=rows)
+            x = torch.randn(rows, shape[1], device="cuda", dtype=dtype)
+            y = matmul._compute(x, packed, state, None, route)
+            if route.path == "bitsandbytes":
+                assert torch.equal(y, bitsandbytes.matmul_4bit(x, packed, quant_state=state))
+            else:
+                assert_within_bound(y, x, kernel.dequantize_nf4(packed, state).to(dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_replays_the_same():
+    packed, state = quantize((4096, 1024), dtype=torch.bfloat16, device="cuda", seed=9)
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    eager = matmul.nf4_linear(x, packed, state)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        matmul.nf4_linear(x, packed, state)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = matmul.nf4_linear(x, packed, state)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
