@@ -4,15 +4,19 @@
     dropin.enable(model)   # every bitsandbytes.nn.Linear4bit, also the base layers of PEFT LoRA
     dropin.disable(model)  # bitsandbytes' own forward again
 
-Per module: the layer's ``forward`` is replaced on the instance, never on bitsandbytes' class,
-and the weight and quant state are never written. Forward computes ``x @ W.t() (+ bias)`` with W
-dequantized by the kernel; backward dequantizes W again rather than keeping it alive between the
-two (as bitsandbytes does). With the same W, both are bitsandbytes' own arithmetic
-(``F.linear`` forward, ``matmul(grad, W)`` backward), so logits and input gradients are
-bit-exact wherever bitsandbytes dequantizes too. Where bitsandbytes computes an inference input
-with its own fused 4-bit matmul (a few tokens: its GEMV and small-batch kernels, chosen by its
-own per-GPU rule), that op is kept: it is faster there and its arithmetic differs. It is called
-with the arguments bitsandbytes' forward passes it (the same bits), without that forward's Python.
+Per module: the layer's ``forward`` is replaced on the instance, never on bitsandbytes' class (or,
+behind an Accelerate hook, the ``_old_forward`` the hook calls), and the weight and quant state are
+never written. Only a layer whose forward is bitsandbytes' own is routed: a subclass that overrides
+it keeps its forward. The routed forward pickles and deep-copies with its module.
+
+Forward computes ``x @ W.t() (+ bias)`` with W dequantized by the kernel; backward dequantizes W
+again rather than keeping it alive between the two (as bitsandbytes does). With the same W, both
+are bitsandbytes' own arithmetic (``F.linear`` forward, ``matmul(grad, W)`` backward), so logits
+and input gradients are bit-exact wherever bitsandbytes dequantizes too. Where bitsandbytes
+computes an inference input with its own fused 4-bit matmul (a few tokens: its GEMV and
+small-batch kernels, chosen by its own per-GPU rule), that op is kept: it is faster there and its
+arithmetic differs. It is called with the arguments bitsandbytes' forward passes it (the same
+bits), without that forward's Python.
 """
 
 import functools
@@ -25,8 +29,9 @@ import kernel
 
 __all__ = ["enable", "disable", "is_enabled"]
 
-# On a routed module: (the attribute replaced, its previous value or None, the dequantize function).
-_ROUTE = "_nf4_triton_route"
+# Where a routed forward sits on a module: `forward`, or `_old_forward`, the forward that Accelerate's
+# hooks (device_map, offloading) save and call, so that a hook stays outside.
+_SLOTS = ("forward", "_old_forward")
 
 
 def _linear4bit_type():
@@ -36,51 +41,71 @@ def _linear4bit_type():
 
 
 def enable(model, dequantize=None):
-    """Route every ``bitsandbytes.nn.Linear4bit`` in ``model`` (itself included) through the
-    kernel; return how many layers are routed now. Calling it again changes nothing.
-    ``dequantize(packed, quant_state)``: another dequantization to route through (benchmarks)."""
+    """Route every ``bitsandbytes.nn.Linear4bit`` in ``model`` (itself included) whose forward is
+    bitsandbytes' own through the kernel; return how many layers are routed now. Calling it again
+    routes them through the ``dequantize`` given then. ``dequantize(packed, quant_state)``: another
+    dequantization to route through (benchmarks)."""
     linear4bit = _linear4bit_type()
+    dequantize = dequantize or kernel.dequantize_nf4
     routed = 0
     for module in model.modules():
-        if not isinstance(module, linear4bit):
+        # A routed layer is routed again: through the dequantize this call names, as its caller expects.
+        slot = _routed_slot(module) or (_own_forward_slot(module) if isinstance(module, linear4bit) else None)
+        if slot is None:
             continue
-        if _ROUTE not in module.__dict__:
-            # Accelerate's hooks (device_map, offloading) wrap an instance forward and call the
-            # one they saved as `_old_forward`: replace that one so that the hook stays outside.
-            name = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
-            module.__dict__[_ROUTE] = (name, module.__dict__.get(name), dequantize or kernel.dequantize_nf4)
-            setattr(module, name, types.MethodType(_routed_forward, module))
+        # A partial of a module-level function, not a bound method of a name the class lacks: it
+        # pickles (torch.save of the model) and deep-copies with its module.
+        setattr(module, slot, functools.partial(_routed_forward, module, dequantize))
         routed += 1
     return routed
 
 
+def _own_forward_slot(module):
+    """The slot holding a Linear4bit's forward where that forward is bitsandbytes' own, else None: a
+    subclass's or a user's forward computes something else, and a drop-in must not drop it."""
+    if type(module).forward is not _linear4bit_type().forward:
+        return None
+    slot = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
+    current = module.__dict__.get(slot)
+    if current is None or (getattr(current, "__func__", None) is type(module).forward
+                           and getattr(current, "__self__", None) is module):
+        return slot
+    return None
+
+
+def _routed_slot(module):
+    """The slot holding this module's routed forward, or None."""
+    for slot in _SLOTS:
+        current = module.__dict__.get(slot)
+        if isinstance(current, functools.partial) and current.func is _routed_forward:
+            return slot
+    return None
+
+
 def disable(model):
-    """Give every routed layer in ``model`` its previous forward back; return how many."""
+    """Give every routed layer in ``model`` bitsandbytes' forward back, leaving any Accelerate hook
+    added or removed since ``enable`` as it is now; return how many."""
     restored = 0
     for module in model.modules():
-        route = module.__dict__.pop(_ROUTE, None)
-        if route is None:
-            continue
-        name, previous, _ = route
-        if previous is None:
-            del module.__dict__[name]
+        slot = _routed_slot(module)
+        if slot == "forward":
+            del module.__dict__["forward"]
+        elif slot == "_old_forward":  # behind a hook, which calls it
+            module._old_forward = types.MethodType(type(module).forward, module)
         else:
-            setattr(module, name, previous)
+            continue
         restored += 1
     return restored
 
 
 def is_enabled(module):
-    """Whether ``module`` computes through the kernel."""
-    return _ROUTE in module.__dict__
+    """Whether ``module`` is routed (its forward, or the one its Accelerate hook calls)."""
+    return _routed_slot(module) is not None
 
 
-def _previous_forward(module, x, *args, **kwargs):
-    """The forward the layer had before ``enable``, called on ``x``."""
-    _, previous, _ = module.__dict__[_ROUTE]
-    if previous is None:
-        return type(module).forward(module, x, *args, **kwargs)
-    return previous(x, *args, **kwargs)
+def _bitsandbytes_forward(module, x, *args, **kwargs):
+    """bitsandbytes' own forward (the class's: only a Linear4bit whose forward is it is routed)."""
+    return type(module).forward(module, x, *args, **kwargs)
 
 
 @functools.cache
@@ -113,8 +138,8 @@ def _bitsandbytes_fused_kernel(x, dtype, quant_state):
     return fused(x.device.index, dtype, m, quant_state.shape[0], k)
 
 
-def _routed_forward(module, x, *args, **kwargs):
-    """Linear4bit.forward with the weight dequantized by the kernel (see the module docstring).
+def _routed_forward(module, dequantize, x, *args, **kwargs):
+    """Linear4bit.forward with the weight dequantized by ``dequantize`` (see the module docstring).
     The checks that hand a call back to bitsandbytes come first: they cost every one-token call."""
     weight = module.weight
     quant_state = getattr(weight, "quant_state", None)
@@ -123,7 +148,7 @@ def _routed_forward(module, x, *args, **kwargs):
         # keeps the state on the module too (its own forward wraps the view again, we only read it).
         quant_state = getattr(module, "quant_state", None)
     if quant_state is None or args or kwargs:
-        return _previous_forward(module, x, *args, **kwargs)
+        return _bitsandbytes_forward(module, x, *args, **kwargs)
     if not module.compute_type_is_set:  # what bitsandbytes' forward does on its first call
         module.set_compute_type(x)
         module.compute_type_is_set = True
@@ -132,7 +157,7 @@ def _routed_forward(module, x, *args, **kwargs):
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
     fused = not needs_grad and not torch.compiler.is_compiling() and _bitsandbytes_fused_kernel(x, dtype, quant_state)
     if quant_state.dtype is not dtype and not fused:  # bitsandbytes dequantizes straight to x's dtype: one rounding
-        return _previous_forward(module, x)
+        return _bitsandbytes_forward(module, x)
     compute_x = x if x.dtype is dtype else x.to(dtype)
     if bias is not None and bias.dtype is not dtype:
         bias = bias.to(dtype)
@@ -140,9 +165,8 @@ def _routed_forward(module, x, *args, **kwargs):
     if fused:
         y = _bitsandbytes_fused_matmul(compute_x, packed, quant_state, bias)
         if y is None:
-            return _previous_forward(module, x)
+            return _bitsandbytes_forward(module, x)
         return y if y.dtype is x.dtype else y.to(x.dtype)
-    dequantize = module.__dict__[_ROUTE][2]
     if needs_grad:
         y = _DequantizedLinear.apply(compute_x, packed, quant_state, bias, dequantize)
     else:  # no graph to record: the autograd Function's bookkeeping would be host time alone

@@ -3,6 +3,7 @@ Everywhere: against F.linear / matmul on the expected weight (bitsandbytes' own 
 arithmetic). On a GPU also against bitsandbytes' own forward and backward."""
 
 import copy
+import io
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 import dropin
 import kernel
-from helpers import assert_bit_exact, assert_unchanged, expected_values, linear4bit, quantize, snapshot
+from helpers import assert_bit_exact, assert_unchanged, bit_exact, expected_values, linear4bit, quantize, snapshot
 
 DTYPES = [torch.float16, torch.bfloat16]
 # Rows above bitsandbytes' fused-kernel range (1536): inference there is dequantize + matmul, so
@@ -156,7 +157,7 @@ def test_no_state_anywhere_goes_to_bitsandbytes(device, monkeypatch):
     layer.weight.quant_state = None
     dropin.enable(layer)
     seen = []
-    monkeypatch.setattr(dropin, "_previous_forward", lambda module, x: seen.append(1) or x)
+    monkeypatch.setattr(dropin, "_bitsandbytes_forward", lambda module, x: seen.append(1) or x)
     layer(torch.randn(4, 64, dtype=torch.bfloat16, device=device))
     assert seen == [1]
 
@@ -228,6 +229,134 @@ def test_compiled_forward_and_backward_without_graph_break(device):
     assert not counters["graph_break"]
     assert_bit_exact(out, expected[0])
     torch.testing.assert_close(inputs.grad, expected[1], rtol=0, atol=0)
+
+
+# ---- a model's life: Accelerate's hooks, saving, which layers are routed ---------------------
+@pytest.fixture
+def accelerate_hooks():
+    return pytest.importorskip("accelerate.hooks")
+
+
+def counting_hook(accelerate_hooks):
+    """An Accelerate hook whose ``calls`` counts the forwards it wraps."""
+
+    class CountingHook(accelerate_hooks.ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            self.calls += 1
+            return args, kwargs
+
+    return CountingHook()
+
+
+def layer_and_input(device, seed):
+    """A layer, an input above bitsandbytes' fused-kernel rows (the drop-in dequantizes), and
+    bitsandbytes' own output for it."""
+    layer, _, _ = linear4bit((96, 64), device=device, seed=seed)
+    x = torch.randn(ROWS, 64, dtype=torch.bfloat16, device=device)
+    return layer, x, layer(x)
+
+
+def test_hook_removed_after_enable_then_disable(device, accelerate_hooks):
+    """A hook present at enable and removed before disable (PEFT's offloaded loading, transformers'
+    dequantize): the layer stays routed without it, and disable gives bitsandbytes' forward back."""
+    layer, x, bitsandbytes_out = layer_and_input(device, seed=60)
+    calls = []
+    accelerate_hooks.add_hook_to_module(layer, counting_hook(accelerate_hooks))
+    dropin.enable(layer, dequantize=counted(calls))
+    accelerate_hooks.remove_hook_from_module(layer)
+    assert dropin.is_enabled(layer)
+    assert_bit_exact(layer(x), F.linear(x, expected_weight(layer)))
+    assert dropin.disable(layer) == 1
+    assert not dropin.is_enabled(layer) and "forward" not in vars(layer)
+    assert_bit_exact(layer(x), bitsandbytes_out)
+    assert len(calls) == 1
+
+
+def test_hook_added_after_enable_survives_disable(device, accelerate_hooks):
+    """A hook added to a routed layer wraps the routed forward; disable keeps the hook (it goes on
+    running around bitsandbytes' forward) and the hook can still be removed."""
+    layer, x, bitsandbytes_out = layer_and_input(device, seed=61)
+    calls, hook = [], counting_hook(accelerate_hooks)
+    dropin.enable(layer, dequantize=counted(calls))
+    accelerate_hooks.add_hook_to_module(layer, hook)
+    assert_bit_exact(layer(x), F.linear(x, expected_weight(layer)))
+    assert (len(calls), hook.calls) == (1, 1)
+    assert dropin.disable(layer) == 1 and not dropin.is_enabled(layer)
+    assert_bit_exact(layer(x), bitsandbytes_out)
+    assert (len(calls), hook.calls) == (1, 2)
+    accelerate_hooks.remove_hook_from_module(layer)
+    assert "forward" not in vars(layer) or vars(layer)["forward"] == type(layer).forward.__get__(layer)
+    assert_bit_exact(layer(x), bitsandbytes_out)
+    assert hook.calls == 2
+
+
+def saved_and_loaded(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("duplicate", [saved_and_loaded, copy.deepcopy], ids=["torch.save", "deepcopy"])
+def test_routed_model_saved_or_copied(duplicate, device):
+    """A routed model saved and loaded (or deep-copied): the copy is routed, computes with its own
+    weights (the original's rewritten afterwards changes nothing) and is disabled on its own."""
+    model = TwoLayers(device, torch.bfloat16)
+    x = torch.randn(2, ROWS // 2, 64, dtype=torch.bfloat16, device=device)
+    dropin.enable(model)
+    expected = model(x)
+    duplicated = duplicate(model)
+    model.up.weight.data.copy_(linear4bit((96, 64), device=device, seed=69)[1])
+    assert not bit_exact(model(x), expected)
+    assert dropin.is_enabled(duplicated.up) and dropin.is_enabled(duplicated.down)
+    assert_bit_exact(duplicated(x), expected)
+    assert dropin.disable(duplicated) == 2 and dropin.is_enabled(model.down)
+
+
+def test_subclass_with_its_own_forward_is_left_alone(device):
+    """A Linear4bit subclass that overrides forward computes something else: it is not routed
+    (its forward is kept); one that keeps bitsandbytes' forward is."""
+    import bitsandbytes as bnb
+
+    class HalvedLinear4bit(bnb.nn.Linear4bit):
+        def forward(self, x):
+            return super().forward(x) * 0.5
+
+    class NamedLinear4bit(bnb.nn.Linear4bit):
+        pass
+
+    halved, x, _ = layer_and_input(device, seed=62)
+    halved.__class__ = HalvedLinear4bit  # the same layer with the subclass's forward
+    named, _, _ = linear4bit((96, 64), device=device, seed=63)
+    named.__class__ = NamedLinear4bit
+    halved_out = halved(x)
+    model = torch.nn.ModuleDict({"halved": halved, "named": named})
+    calls = []
+    assert dropin.enable(model, dequantize=counted(calls)) == 1
+    assert not dropin.is_enabled(halved) and dropin.is_enabled(named)
+    assert_bit_exact(halved(x), halved_out)
+    assert calls == []
+    assert_bit_exact(named(x), F.linear(x, expected_weight(named)))
+    assert calls == [1]
+
+
+def test_enable_again_with_another_dequantize(device):
+    """enable on a routed model routes through the dequantize named now (the kernel when none)."""
+    layer, x, bitsandbytes_out = layer_and_input(device, seed=68)
+    first, second = [], []
+    expected = F.linear(x, expected_weight(layer))
+    assert dropin.enable(layer, dequantize=counted(first)) == 1
+    assert_bit_exact(layer(x), expected)
+    assert dropin.enable(layer, dequantize=counted(second)) == 1
+    assert_bit_exact(layer(x), expected)
+    assert (len(first), len(second)) == (1, 1)
+    assert dropin.enable(layer) == 1
+    assert_bit_exact(layer(x), expected)
+    assert (len(first), len(second)) == (1, 1)
+    assert dropin.disable(layer) == 1
+    assert_bit_exact(layer(x), bitsandbytes_out)
 
 
 # ---- GPU: against bitsandbytes' own forward and backward --------------------------------------
