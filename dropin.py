@@ -170,8 +170,15 @@ def _routed_forward(module, dequantize, x, *args, **kwargs):
     if needs_grad:
         y = _DequantizedLinear.apply(compute_x, packed, quant_state, bias, dequantize)
     else:  # no graph to record: the autograd Function's bookkeeping would be host time alone
-        y = F.linear(compute_x, dequantize(packed, quant_state), bias)
+        y = F.linear(compute_x, _weight(dequantize, packed, quant_state), bias)
     return y if y.dtype is x.dtype else y.to(x.dtype)
+
+
+def _weight(dequantize, packed, quant_state):
+    """The layer's W, (out, in): a dequantization returns a packed weight of one row transposed
+    (bitsandbytes' rule), and a tiny layer's packed weight can have one row."""
+    weight = dequantize(packed, quant_state)
+    return weight.t() if packed.shape[0] == 1 else weight
 
 
 def _bitsandbytes_fused_matmul(x, packed, quant_state, bias):
@@ -200,13 +207,13 @@ class _DequantizedLinear(torch.autograd.Function):
         # Held as attributes, not saved tensors: saved-tensor hooks (activation offloading) would
         # copy the packed weight every step.
         ctx.packed, ctx.quant_state, ctx.dequantize = packed, quant_state, dequantize
-        return F.linear(x, dequantize(packed, quant_state), bias)
+        return F.linear(x, _weight(dequantize, packed, quant_state), bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            weight = ctx.dequantize(ctx.packed, ctx.quant_state)
+            weight = _weight(ctx.dequantize, ctx.packed, ctx.quant_state)
             grad_x = torch.matmul(grad_output, weight.to(grad_output.dtype))
         if ctx.needs_input_grad[3]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)

@@ -342,6 +342,31 @@ def test_subclass_with_its_own_forward_is_left_alone(device):
     assert calls == [1]
 
 
+@pytest.mark.parametrize("shape, storage", [((1, 2), torch.uint8), ((2, 4), torch.float32)],
+                         ids=["Linear4bit(2, 1) uint8", "Linear4bit(4, 2) float32"])
+def test_layer_whose_packed_weight_has_one_row(shape, storage, device):
+    """A packed weight of one row comes back transposed (bitsandbytes' rule): the drop-in still
+    computes x @ W.t() with W of the layer's (out, in) shape, forward and backward."""
+    import bitsandbytes as bnb
+
+    packed, state = quantize(shape, dtype=torch.bfloat16, storage=storage, device=device, seed=64)
+    assert packed.shape[0] == 1
+    layer = bnb.nn.Linear4bit(shape[1], shape[0], bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
+                              quant_storage=storage, device=device)
+    layer.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, bnb_quantized=True, module=layer)
+    weight = expected_values(packed, state).t()
+    assert weight.shape == shape
+    dropin.enable(layer)
+    x = torch.randn(ROWS, shape[1], dtype=torch.bfloat16, device=device, requires_grad=True)
+    out = layer(x)
+    assert_bit_exact(out, F.linear(x, weight))
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    assert_bit_exact(x.grad, torch.matmul(grad, weight))
+    with torch.no_grad():
+        assert_bit_exact(layer(x), F.linear(x, weight))
+
+
 def test_enable_again_with_another_dequantize(device):
     """enable on a routed model routes through the dequantize named now (the kernel when none)."""
     layer, x, bitsandbytes_out = layer_and_input(device, seed=68)
