@@ -147,7 +147,9 @@ def _routed_forward(module, dequantize, x, *args, **kwargs):
         # FSDP's flat parameters replace the Params4bit with a plain view of its bytes; bitsandbytes
         # keeps the state on the module too (its own forward wraps the view again, we only read it).
         quant_state = getattr(module, "quant_state", None)
-    if quant_state is None or args or kwargs:
+    # bitsandbytes' CPU layout: its forward repacks a CPU weight in place for its AVX512-BF16 kernel
+    # on its first inference call, a format only that forward reads, so it computes such a layer.
+    if quant_state is None or args or kwargs or (x.is_cpu and getattr(quant_state, "packing_format_for_cpu", False)):
         return _bitsandbytes_forward(module, x, *args, **kwargs)
     if not module.compute_type_is_set:  # what bitsandbytes' forward does on its first call
         module.set_compute_type(x)

@@ -703,6 +703,12 @@ def _validate_and_launch(weight, quant_state, out, overrides):
         raise TypeError(f"dequantize_nf4: weight must be a tensor, Params4bit or Linear4bit, got {type(weight).__name__}")
     if qs is None:
         raise ValueError("dequantize_nf4: no quant_state given and the weight carries none")
+    # Named first: its absmax (bf16, transposed) and packed bytes (reordered) are another format. Read
+    # from the state's dict: QuantState's __getattr__ makes a missing attribute cost 0.6 us.
+    _require(not getattr(qs, "__dict__", {}).get("packing_format_for_cpu"),
+             "dequantize_nf4: the weight is in bitsandbytes' CPU layout (quant_state.packing_format_for_cpu: "
+             "Linear4bit repacks it in place on its first inference forward on a CPU with AVX512-BF16), which only "
+             "bitsandbytes' own forward reads; Params4bit.cuda() or saving a state_dict converts it back")
     if not _dense(packed):
         raise ValueError(f"dequantize_nf4: packed weight must be a dense tensor, got {packed.layout}")
     if INTERPRET:

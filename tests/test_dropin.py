@@ -367,6 +367,49 @@ def test_layer_whose_packed_weight_has_one_row(shape, storage, device):
         assert_bit_exact(layer(x), F.linear(x, weight))
 
 
+def cpu_repacked_layer(seed):
+    """A CPU layer in the layout bitsandbytes' forward repacks it to on its first inference call on
+    a CPU with AVX512-BF16 (done here by bitsandbytes' own conversion, on any CPU)."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    layer, packed, state = linear4bit((96, 64), seed=seed)
+    layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu(packed, state)
+    return layer
+
+
+def test_cpu_repacked_layer_goes_to_bitsandbytes(monkeypatch):
+    """A layer in bitsandbytes' CPU layout is computed by bitsandbytes' forward, which reads it."""
+    layer = cpu_repacked_layer(seed=65)
+    calls, handed = [], []
+    dropin.enable(layer, dequantize=counted(calls))
+    monkeypatch.setattr(dropin, "_bitsandbytes_forward", lambda module, x: handed.append(module) or x)
+    with torch.no_grad():
+        layer(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert handed == [layer] and calls == []
+
+
+def test_cpu_repacked_weight_named_by_dequantize():
+    with pytest.raises(ValueError, match="bitsandbytes' CPU layout"):
+        kernel.dequantize_nf4(cpu_repacked_layer(seed=66))
+
+
+def test_layer_repacked_by_bitsandbytes_on_this_cpu():
+    """The repack as it happens: bitsandbytes' first inference forward on a CPU with AVX512-BF16.
+    After it, the routed layer gives what bitsandbytes' forward gives."""
+    layer, _, _ = linear4bit((96, 64), seed=67)
+    if not layer.support_avx512bf16_for_cpu:
+        pytest.skip("bitsandbytes repacks for its CPU kernel only on CPUs with AVX512-BF16")
+    layer.eval()
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = layer(x)
+        assert layer.weight.quant_state.packing_format_for_cpu
+        calls = []
+        dropin.enable(layer, dequantize=counted(calls))
+        assert_bit_exact(layer(x), expected)
+    assert calls == []
+
+
 def test_enable_again_with_another_dequantize(device):
     """enable on a routed model routes through the dequantize named now (the kernel when none)."""
     layer, x, bitsandbytes_out = layer_and_input(device, seed=68)
