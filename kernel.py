@@ -532,29 +532,35 @@ def _check_state(packed, qs):
 
 
 _OFFSETS = {}  # id(quant_state) -> (weakref to the state, (value as fp32 bytes, device), its tensor)
+# Two first calls on one state in two threads get one tensor: the plan kept last records its address.
+_OFFSETS_LOCK = threading.Lock()
 
 
 def _offset_tensor(qs, value, device):
     """The tensor for an offset ``qs`` gives as a Python float: one per state, held while the state
     lives and keeps that value, as the state holds its tables (a plan or a captured CUDA graph reads
     its address). A state without weakrefs gets a tensor for the call: it gets no plan either."""
+    if torch.compiler.is_compiling():  # the traced graph makes it and holds it (Dynamo cannot enter a lock)
+        return torch.tensor([value], dtype=torch.float32, device=device)
     state_id, value_key = id(qs), (struct.pack("<f", value), device)
-    held = _OFFSETS.get(state_id)
-    if held is not None and held[0]() is qs and held[1] == value_key:
-        return held[2]
-    tensor = torch.tensor([value], dtype=torch.float32, device=device)
-    try:
-        # The callback's globals are bound now: at interpreter exit a state may die after them.
-        state_ref = weakref.ref(qs, lambda ref, state_id=state_id, offsets=_OFFSETS, forget=_forget_offset:
-                                forget(offsets, state_id, ref))
-    except TypeError:
+    with _OFFSETS_LOCK:
+        held = _OFFSETS.get(state_id)
+        if held is not None and held[0]() is qs and held[1] == value_key:
+            return held[2]
+        tensor = torch.tensor([value], dtype=torch.float32, device=device)
+        try:
+            # The callback's globals are bound now: at interpreter exit a state may die after them.
+            state_ref = weakref.ref(qs, lambda ref, state_id=state_id, offsets=_OFFSETS, forget=_forget_offset:
+                                    forget(offsets, state_id, ref))
+        except TypeError:
+            return tensor
+        _OFFSETS[state_id] = (state_ref, value_key, tensor)
         return tensor
-    _OFFSETS[state_id] = (state_ref, value_key, tensor)
-    return tensor
 
 
 def _forget_offset(offsets, state_id, state_ref):
-    """A state died: free its offset's tensor, unless a newer state already took its id."""
+    """A state died: free its offset's tensor, unless a newer state already took its id. Without the
+    lock: a collection inside ``_offset_tensor`` may run this on the thread that holds it."""
     held = offsets.get(state_id)
     if held is not None and held[0] is state_ref:
         del offsets[state_id]

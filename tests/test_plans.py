@@ -7,6 +7,8 @@ import gc
 import os
 import subprocess
 import sys
+import time
+import types
 import weakref
 
 import pytest
@@ -391,6 +393,35 @@ def test_float_offsets_freed_with_their_states(device):
     del twin
     gc.collect()
     assert len(kernel._OFFSETS) <= held
+
+
+def test_float_offset_one_tensor_for_two_threads(device, monkeypatch):
+    """Two threads making the first call on one state at once get one offset tensor (the plan kept
+    last records its address, so a second tensor would be freed under it). The window between
+    looking the state up and holding its tensor is widened to 0.2 s."""
+    _, state = quantize((64, 64), device=device, seed=49)
+
+    def slow_ref(*args):
+        time.sleep(0.2)
+        return weakref.ref(*args)
+
+    monkeypatch.setattr(kernel, "weakref", types.SimpleNamespace(ref=slow_ref))
+    tensors = [None, None]
+
+    def work(i):
+        tensors[i] = kernel._offset_tensor(state, 0.25, torch.device(device))
+
+    assert not failures_in_threads(work, 2)
+    assert tensors[0] is tensors[1]
+
+
+def test_float_offset_inside_torch_compile(device):
+    """A float offset in a compiled graph, fullgraph: the graph makes its tensor (no lock traced)."""
+    packed, state = quantize((64, 128), dtype=torch.bfloat16, device=device, seed=50)
+    state.offset = float(state.offset)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), fullgraph=True)
+    assert_bit_exact(compiled(packed), expected_values(packed, state))
 
 
 def test_same_state_for_two_packed_tensors(device):
