@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dropin
-import kernel
+import fastpath
 import modelbench
 
 pytestmark = pytest.mark.gpu
@@ -26,30 +26,33 @@ def saved_model(tmp_path_factory):
     return folder
 
 
-def logits_and_fast_path(model, monkeypatch):
+def logits_and_fast_path(model):
     """Logits of a 4x512 prefill (above bitsandbytes' fused-kernel rows), routed, after a warm-up
-    call; the measured call may not take the validating path once."""
+    call that leaves one launch plan per layer; the measured call keeps none (a layer that took the
+    validating path would have kept a new one)."""
+    layers = 2 * 7
     ids = torch.randint(0, 1000, (4, 512), device=model.device, generator=torch.Generator(model.device).manual_seed(0))
     with torch.inference_mode():
         expected = model(ids).logits
-        assert dropin.enable(model) == 2 * 7
+        assert dropin.enable(model) == layers
+        kept = fastpath.stats()["kept"]
         model(ids)
-        with monkeypatch.context() as patch:
-            patch.setattr(kernel, "_dequantize", lambda *args, **kwargs: pytest.fail("a layer missed its plan"))
-            got = model(ids).logits
+        assert fastpath.stats()["kept"] - kept == layers
+        got = model(ids).logits
+        assert fastpath.stats()["kept"] - kept == layers, "a layer missed its plan"
     dropin.disable(model)
     return expected, got
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_logits_equal_bitsandbytes(saved_model, dtype, monkeypatch):
+def test_logits_equal_bitsandbytes(saved_model, dtype):
     model = modelbench.load_4bit(saved_model, dtype)
-    expected, got = logits_and_fast_path(model, monkeypatch)
+    expected, got = logits_and_fast_path(model)
     assert torch.equal(got, expected)
 
 
 @pytest.mark.gpu(2)
-def test_model_split_over_two_gpus(saved_model, monkeypatch):
+def test_model_split_over_two_gpus(saved_model):
     """device_map puts layer 0 on cuda:0 and layer 1 on cuda:1: whichever device is current,
     each layer launches on its own and stays on the fast path."""
     device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1,
@@ -58,5 +61,5 @@ def test_model_split_over_two_gpus(saved_model, monkeypatch):
     devices = {layer.weight.device.index for layer in modelbench.linear4bit_layers(model)}
     assert devices == {0, 1}
     with torch.cuda.device(0):
-        expected, got = logits_and_fast_path(model, monkeypatch)
+        expected, got = logits_and_fast_path(model)
     assert torch.equal(got, expected)
