@@ -17,8 +17,6 @@ path, counting launch plans (live, made) and calls that missed one.
 """
 
 import argparse
-import csv
-import datetime
 import gc
 import os
 import tempfile
@@ -26,7 +24,8 @@ import time
 
 import torch
 
-import bench
+import bench_results
+import bench_timing
 import dropin
 import fastpath
 import kernel
@@ -34,6 +33,8 @@ import modelbench
 
 CONTENDERS = ("bitsandbytes", "nf4-triton")
 TOKENS = (4, 512)  # per rank and step
+# Versions in each row: Unsloth is not a contender here and is not imported.
+PACKAGES = ("torch", "triton", "bitsandbytes", "transformers", "peft")
 
 
 def parse_args(argv=None):
@@ -174,7 +175,7 @@ def train(folder, contender, steps, rank, world, plan_steps=0, flavour=1):
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean)
         losses.append(mean.item() / world)
-    median, p20, p80 = bench.summarize(seconds[2:])  # the first two steps warm up
+    median, p20, p80 = bench_timing.summarize(seconds[2:])  # the first two steps warm up
     # Peak above what the wrapped model, its optimizer and the batch held before the first step.
     record = dict(losses=losses, grads=grads, peak_mib=(torch.cuda.max_memory_allocated() - start_bytes) / 2**20,
                   step_ms=median * 1e3, step_ms_p20=p20 * 1e3, step_ms_p80=p80 * 1e3)
@@ -231,9 +232,8 @@ def main(argv=None):
                                                                plans={k: record.get(k) for k in (
                                                                    "plan_calls", "plan_misses", "stale_results",
                                                                    "most_live_plans", "live_plans_after")}))
-            row = dict(gpu=torch.cuda.get_device_name(), world_size=world,
-                       timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       torch_version=torch.__version__, **versions(), model=size, implementation=contender,
+            row = dict(gpu=torch.cuda.get_device_name(), world_size=world, timestamp=bench_results.utc_timestamp(),
+                       **bench_results.version_columns(PACKAGES), model=size, implementation=contender,
                        fsdp=FSDP_FLAVOURS[args.fsdp], steps=args.steps, tokens_per_step=world * TOKENS[0] * TOKENS[1],
                        median_step_ms=record["step_ms"], p20_step_ms=record["step_ms_p20"],
                        p80_step_ms=record["step_ms_p80"],
@@ -259,30 +259,16 @@ def main(argv=None):
                          f"{row['stale_results']} stale, at most {row['most_live_plans']} live" if row["plan_calls"] else ""),
                       flush=True)
     if rank == 0:
-        folder = os.path.join(args.out, bench.gpu_slug(torch.cuda.get_device_name()))
+        folder = bench_results.results_folder(args.out)
         os.makedirs(folder, exist_ok=True)
         for name, table in (("fsdp.csv", rows), ("fsdp_losses.csv", loss_rows)):
-            with open(os.path.join(folder, name), "w", newline="") as handle:
-                writer = csv.DictWriter(handle, fieldnames=list(table[0]))
-                writer.writeheader()
-                writer.writerows(table)
+            bench_results.write_csv(os.path.join(folder, name), table)
         print("wrote", folder)
     torch.distributed.destroy_process_group()
 
 
 def modelbench_size(folder):
     return os.path.basename(folder.rstrip(os.sep))
-
-
-def versions():
-    """Versions of what the run uses (Unsloth is not a contender here and is not imported)."""
-    import bitsandbytes
-    import peft
-    import transformers
-    import triton
-
-    return dict(triton_version=triton.__version__, bitsandbytes_version=bitsandbytes.__version__,
-                transformers_version=transformers.__version__, peft_version=peft.__version__)
 
 
 if __name__ == "__main__":

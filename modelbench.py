@@ -6,8 +6,8 @@ transformers' BitsAndBytesConfig as users load a 4-bit model (NF4, double quanti
 per contender, rounds interleaved: prefill (inference forward) at several token counts, a QLoRA
 training step (PEFT LoRA r=16 on every linear layer, forward + backward + AdamW) with and without
 gradient checkpointing, and, per layer shape, bitsandbytes' own 4-bit matmul against dequantize
-+ matmul at small token counts (where bitsandbytes uses its fused kernels). bench.py's ``model``
-section runs it.
++ matmul at small token counts (where bitsandbytes uses its fused kernels). Section ``model`` of
+bench.py runs it; fsdp_qlora.py builds and loads its model the same way.
 """
 
 import contextlib
@@ -17,6 +17,8 @@ import time
 
 import torch
 
+import bench_contenders
+import bench_timing
 import dropin
 import kernel
 
@@ -86,10 +88,8 @@ def route(model, contender, dequantize_functions):
 
 def contenders(log=print):
     """name -> dequantize function for the drop-in (None: bitsandbytes' own forward)."""
-    import bench
-
     found = {"bitsandbytes": None, "nf4-triton": kernel.dequantize_nf4}
-    unsloth = bench.unsloth_fast_dequantize(log)
+    unsloth = bench_contenders.unsloth_fast_dequantize(log)
     if unsloth is not None:
         found["unsloth-fused"] = unsloth
     return found
@@ -111,19 +111,14 @@ def kernel_time(fn, calls=3):
     """(GPU kernel time per call of ``fn`` in ms, the share of it dequantization kernels take),
     from the profiler. Against a call's wall time, the first says whether the GPU or the host
     bounds it; the second bounds what a faster dequantization can gain."""
-    from torch.profiler import ProfilerActivity, profile
-
-    os.environ.setdefault("TEARDOWN_CUPTI", "1")
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def profiled_calls():
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    time.sleep(0.05)
-    torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    kernels = bench_timing.cuda_records(profiled_calls)
     total = sum(e.time_range.elapsed_us() for e in kernels)
     dequant = sum(e.time_range.elapsed_us() for e in kernels if "dequant" in e.name.lower())
     return total / calls / 1e3, (dequant / total if total else 0.0)
@@ -153,9 +148,7 @@ def train_step_fn(model, optimizer, batch, seq, vocab_size):
 
 
 def row(meta, kind, size, dtype_name, tokens, implementation, seconds, peaks, profile, **extra):
-    import bench
-
-    median, p20, p80 = bench.summarize(seconds)
+    median, p20, p80 = bench_timing.summarize(seconds)
     n_tokens = tokens[0] * tokens[1]
     return dict(meta, kind=kind, model=size, dtype=dtype_name, tokens=f"{tokens[0]}x{tokens[1]}",
                 implementation=implementation, median_ms=median * 1e3, p20_ms=p20 * 1e3,
@@ -280,7 +273,7 @@ def bench_crossover(model, size, dtype_name, meta, log):
     return rows
 
 
-def bench_models(sizes, dtypes, rounds, meta, log=print, folder=None):
+def run(sizes, dtypes, rounds, meta, log=print, folder=None):
     """Every section for every size and dtype; returns CSV rows."""
     functions = contenders(log)
     rows = []

@@ -133,11 +133,18 @@ import triton
 import bitsandbytes as bnb
 import bitsandbytes.functional as F
 import kernel  # without a GPU its kernels run on CPU tensors through Triton's interpreter
-import bench
+import bench_contenders
+import bench_harness
+import bench_kernels
+import bench_plots
+import bench_results
+import bench_sweep
+import bench_timing
+import bench_weights
 
 DTYPE_NAME, DTYPE = "<<dtype>>", torch.<<torch_dtype>>
 DEVICE = "cpu" if kernel.INTERPRET else "cuda"
-versions = bench.versions()
+versions = bench_results.versions()
 if DEVICE == "cuda":
     capability = torch.cuda.get_device_capability()
     print("GPU:", torch.cuda.get_device_name(), "| compute capability", capability)
@@ -221,9 +228,9 @@ The challenge's `test_dequantize` warm-up check, reproduced from the challenge t
     ("code", "challenge-check", r"""if SMOKE:
     print("smoke mode: the challenge check needs CUDA Linear4bit layers; skipped")
 else:
-    fast_dequantize = bench.unsloth_fast_dequantize()
-    for option in bench.HARNESS_OPTIONS:
-        largest = bench.challenge_check(kernel.your_dequantize_nf4, option, fast_dequantize)
+    fast_dequantize = bench_contenders.unsloth_fast_dequantize()
+    for option in bench_harness.HARNESS_OPTIONS:
+        largest = bench_harness.challenge_check(kernel.your_dequantize_nf4, option, fast_dequantize)
         print(f"option {option[:4]} {option[5]}: passed (|out| max {largest:.3g})"
               + ("" if fast_dequantize else ", Unsloth equality skipped"))"""),
     ("markdown", "bit-exact-intro", r"""Bit-exact against `bitsandbytes.functional.dequantize_4bit` over odd and large shapes, NF4 and FP4, nested and flat:"""),  # noqa: E501
@@ -252,43 +259,44 @@ The challenge harness (wall clock over 1000 x three dequantizations, each follow
     ("code", "harness", r"""import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-RESULTS = None if SMOKE else os.path.join("results", bench.gpu_slug(torch.cuda.get_device_name()), f"notebook-{DTYPE_NAME}")
+RESULTS = None if SMOKE else os.path.join(bench_results.results_folder("results"), f"notebook-{DTYPE_NAME}")
 if SMOKE:
     print("smoke mode: no timings")
 else:
-    meta = bench.run_metadata()
-    rooflines = bench.copy_roofline()
+    meta = bench_results.run_metadata()
+    rooflines = bench_timing.copy_roofline()
     print("device-to-device copy: " + ", ".join(f"{gbps:.0f} GB/s ({timer})" for timer, gbps in rooflines.items()))
-    rows = bench.roofline_rows(meta, rooflines)
-    rows += bench.bench_harness(3, meta, print)"""),
+    rows = bench_results.roofline_rows(meta, rooflines)
+    rows += bench_harness.run(3, meta, print)"""),
     ("markdown", "kernel-time-intro", r"""Kernel time per weight shape (`do_bench` medians, L2 flushed, 3 interleaved rounds) as % of the copy bandwidth measured above. *floor (no decode)* reads the packed bytes and writes the output without decoding: no dequantizer with this memory traffic can beat it. The second table is each call's GPU time from the profiler (CUPTI), after the same flush: `do_bench`'s CUDA events also count the GPU front end's time around the kernel, the difference between the two tables."""),  # noqa: E501
     ("code", "kernel-time", r"""if not SMOKE:
-    rows += bench.bench_kernels(bench.SHAPES, {DTYPE_NAME: DTYPE}, 3, rooflines, meta, print)
-    bench.write_results(rows, RESULTS)
+    rows += bench_kernels.run(bench_weights.SHAPES, {DTYPE_NAME: DTYPE}, 3, rooflines, meta, print)
+    bench_results.write_results(rows, RESULTS)
     for kind, title in (("kernel", "do_bench median, us"), ("kernel-gpu", "GPU time per call (profiler), us")):
         kernels = pd.DataFrame([r for r in rows if r["kind"] == kind])
         print(title)
         print(kernels.pivot(index="shape", columns="implementation", values="median_us").round(2).to_string())
-    for path in bench.plot(RESULTS):
+    for path in bench_plots.plot(RESULTS):
         display(Image(path))"""),
     ("markdown", "sweep-intro", r"""## 6. Launch-parameter sweep
 Bytes per program x warps (inline PTX, hints and word loads on), with the codebooks in global memory and (Triton 3.4 or later) in shared memory, and at 4 warps the PTX off, the hints off, and byte loads instead of words, on four shapes. The best configuration for this GPU (geometric mean over the shapes, relative to each shape's best, by GPU time per call from the profiler: one `do_bench` sample per configuration is too coarse to rank configurations 1 % apart) is installed with `kernel.set_launch_config` for the rest of the notebook: one configuration for every weight size, in place of the table's size tiers."""),  # noqa: E501
     ("code", "sweep", r"""if SMOKE:
     print("smoke mode: no sweep")
 else:
-    sweep = bench.bench_sweep(bench.QUICK_SHAPES, {DTYPE_NAME: DTYPE}, rooflines, meta, print)
-    bench.write_results(rows + sweep, RESULTS)
-    best, label, slowdown = bench.best_launch_config(sweep)
+    sweep = bench_sweep.run(bench_weights.QUICK_SHAPES, {DTYPE_NAME: DTYPE}, rooflines, meta, print)
+    bench_results.write_results(rows + sweep, RESULTS)
+    best, label, slowdown = bench_sweep.best_launch_config(sweep)
     kernel.set_launch_config(*best)
     print(f"best: {label} (geometric-mean slowdown {slowdown:.3f} vs each shape's best); "
           f"default {kernel.LAUNCH_CONFIGS.get(tuple(capability), kernel.DEFAULT_LAUNCH_TIERS)}")
-    display(Image(bench.plot(RESULTS)[-1]))"""),
+    display(Image(bench_plots.plot(RESULTS)[-1]))"""),
     ("markdown", "explorer-intro", r"""## 7. Explorer
 Pick a shape, a dtype and a launch configuration; *time* re-measures ours, bitsandbytes and Unsloth fused on this GPU and draws them under the controls. Below them, the default view as a picture, which reads without a running kernel."""),  # noqa: E501
     ("code", "explorer", r"""import ipywidgets as widgets
 
-shape_pick = widgets.Dropdown(options=[f"{a}x{b}" for a, b in bench.SHAPES], value="4096x1024", description="shape")
-dtype_pick = widgets.Dropdown(options=list(bench.DTYPES), value=DTYPE_NAME, description="dtype")
+shape_pick = widgets.Dropdown(options=[f"{a}x{b}" for a, b in bench_weights.SHAPES], value="4096x1024",
+                              description="shape")
+dtype_pick = widgets.Dropdown(options=list(bench_weights.DTYPES), value=DTYPE_NAME, description="dtype")
 bpp_pick = widgets.Dropdown(options=[256, 512, 1024, 2048, 4096], value=kernel.launch_config(capability or (0, 0))[0],
                             description="bytes/prog")
 warps_pick = widgets.Dropdown(options=[2, 4, 8], value=kernel.launch_config(capability or (0, 0))[1], description="warps")
@@ -302,15 +310,15 @@ plot_area = widgets.Output()
 def explorer_chart():
     # Times the picked configuration against bitsandbytes and Unsloth fused; returns the chart.
     shape = tuple(int(x) for x in shape_pick.value.split("x"))
-    packed, state = bench.make_weight(shape, bench.DTYPES[dtype_pick.value])
+    packed, state = bench_weights.make_weight(shape, bench_weights.DTYPES[dtype_pick.value])
     plan = kernel.build_plan(packed, state, BYTES_PER_PROGRAM=bpp_pick.value, num_warps=warps_pick.value,
                              SHARED_TABLES=tables_pick.value == "shared")
     contenders = {"nf4-triton (picked config)": lambda: plan.launch(packed),
                   "bitsandbytes": lambda: F.dequantize_4bit(packed, state)}
-    fast_dequantize = bench.unsloth_fast_dequantize()
+    fast_dequantize = bench_contenders.unsloth_fast_dequantize()
     if fast_dequantize is not None:
         contenders["unsloth-fused"] = lambda: fast_dequantize(packed, state)
-    times = {name: bench.do_bench(fn)[0] * 1e3 for name, fn in contenders.items()}
+    times = {name: bench_timing.do_bench(fn)[0] * 1e3 for name, fn in contenders.items()}
     figure, ax = plt.subplots(figsize=(6, 2.5))
     ax.barh(list(times), list(times.values()))
     ax.set_xlabel("us (do_bench median, L2 flushed)")
@@ -369,12 +377,12 @@ compiled_same_bits = torch.equal(compiled_dequantize(weights[0][0]).view(torch.i
 print("compiled dequantize == eager, bit for bit:", compiled_same_bits)
 compiled_mlp(X)
 if not SMOKE:
-    eager_us = bench.do_bench(lambda: mlp(X))[0] * 1e3
-    compiled_us = bench.do_bench(lambda: compiled_mlp(X))[0] * 1e3
+    eager_us = bench_timing.do_bench(lambda: mlp(X))[0] * 1e3
+    compiled_us = bench_timing.do_bench(lambda: compiled_mlp(X))[0] * 1e3
     print(f"MLP forward ({hd}x{m}, {DTYPE_NAME}): eager {eager_us:.1f} us, compiled {compiled_us:.1f} us")
-    eager_call = bench.do_bench(lambda: kernel.dequantize_nf4(*weights[0]))[0] * 1e3
-    kernel_call = bench.gpu_times({"compiled": lambda: compiled_dequantize(weights[0][0])},
-                                  only="dequantize_4bit_kernel")["compiled"] * 1e3
+    eager_call = bench_timing.do_bench(lambda: kernel.dequantize_nf4(*weights[0]))[0] * 1e3
+    kernel_call = bench_timing.gpu_times({"compiled": lambda: compiled_dequantize(weights[0][0])},
+                                         only="dequantize_4bit_kernel")["compiled"] * 1e3
     print(f"one dequantize: eager {eager_call:.1f} us (do_bench); inside the compiled graph the kernel takes "
           f"{kernel_call:.1f} us (profiler)")"""),
     ("markdown", "writeup", r"""## 9. Writeup

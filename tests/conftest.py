@@ -1,4 +1,3 @@
-import logging
 import os
 import sys
 
@@ -8,11 +7,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import bench_weights  # found through the path set above
+
 HAS_CUDA = torch.cuda.is_available()
 
-# bitsandbytes warns at import, on CPUs with AVX512-BF16, that its optional CPU matmul package is
-# missing; nothing here uses it (bench.quiet_bitsandbytes_cpu_notice).
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+bench_weights.quiet_bitsandbytes_cpu_notice()
 
 
 def pytest_addoption(parser):

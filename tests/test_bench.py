@@ -1,11 +1,25 @@
-"""The benchmark module's CPU behaviour: the no-GPU demo and the charts from a results folder."""
+"""The benchmarks' CPU behaviour: the no-GPU demo, the command's arguments, every module importable,
+the CSVs written as the committed results have them, the charts from a results folder."""
 
+import csv
+import filecmp
+import importlib
 import os
 import shutil
 import subprocess
 import sys
 
 import pytest
+
+import bench
+import bench_contenders
+import bench_plots
+import bench_results
+import bench_sweep
+import bench_timing
+import bench_weights
+import kernel
+import notebooks
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 RESULTS = os.path.join(ROOT, "results", "nvidia-h100-80gb-hbm3")
@@ -20,39 +34,67 @@ def test_without_gpu_runs_the_demo():
     assert "bit-exact with bitsandbytes: True" in result.stdout
 
 
+@pytest.mark.parametrize("name", notebooks.project_modules())
+def test_every_module_imports(name):
+    """The benchmarks' GPU code paths cannot run here: at least every module of py-modules loads on the CPU."""
+    assert importlib.import_module(name).__doc__
+
+
+def test_arguments():
+    args = bench.parse_args([])
+    assert args.sections == list(bench.DEFAULT_SECTIONS) and args.dtype == "all" and not args.quick
+    assert bench.parse_args(["--sections", "model,forms", "--quick"]).sections == ["model", "forms"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sections", "kernels,everything"])
+
+
+@pytest.mark.parametrize("name", bench_results.RESULT_FILES)
+def test_results_written_as_committed(name, tmp_path):
+    """A committed CSV's rows, written again, give the same bytes: the same columns in the same
+    order, in the same file, and no other file from them (a roofline alone writes nothing)."""
+    with open(os.path.join(RESULTS, name), newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    bench_results.write_results(rows, str(tmp_path))
+    assert os.listdir(tmp_path) == [name]
+    assert filecmp.cmp(os.path.join(RESULTS, name), tmp_path / name, shallow=False)
+
+
+def test_rows_and_versions():
+    meta = dict(gpu="a GPU", **bench_results.version_columns(("torch", "no_such_package")))
+    assert meta["torch_version"] == __import__("torch").__version__
+    assert meta["no_such_package_version"] == "unavailable (ModuleNotFoundError)"
+    row = bench_results.timing_row(meta, "kernel", (4096, 1024), "fp16", "nf4-triton", (0.01, 0.009, 0.011), 2000.0)
+    assert row["gbps"] == pytest.approx(bench_weights.bytes_moved((4096, 1024), bench_weights.DTYPES["fp16"]) / 1e4)
+    assert (row["median_us"], row["shape"], row["pct_roofline"]) == (10.0, "4096x1024", pytest.approx(100 * row["gbps"] / 2000))
+    assert bench_results.seconds_row(meta, "forms", "2x2", "bf16", "x", [3e-6, 1e-6, 2e-6])["median_us"] == pytest.approx(2.0)
+    assert bench_timing.summarize([5, 1, 4, 2, 3]) == (3, 2, 4)
+    assert bench_results.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
 def test_charts_from_results(tmp_path):
     pytest.importorskip("matplotlib")
     pytest.importorskip("pandas")
-    sys.path.insert(0, ROOT)
-    import bench
-
-    for name in ("bench.csv", "sweep.csv"):
+    for name in ("bench.csv", "sweep.csv", "model.csv"):
         shutil.copy(os.path.join(RESULTS, name), tmp_path / name)
-    written = bench.plot(str(tmp_path))
-    assert [os.path.basename(path) for path in written] == ["kernel_roofline.png", "sweep.png"]
+    written = bench_plots.plot(str(tmp_path))
+    assert [os.path.basename(path) for path in written] == ["kernel_roofline.png", "sweep.png", "model.png"]
     assert all(os.path.getsize(path) > 10_000 for path in written)
 
 
 def test_best_launch_config_from_the_sweep():
     """The notebooks' pick: the all-on configuration with the smallest geometric-mean slowdown, read
     from the sweep's rows (a faster configuration with the inline PTX off is not a candidate)."""
-    import csv
-
-    sys.path.insert(0, ROOT)
-    import bench
-    import kernel
-
-    labels = {bench.config_label(config): config for config in bench.SWEEP_CONFIGS}
+    labels = {bench_sweep.config_label(config): config for config in bench_sweep.SWEEP_CONFIGS}
     fast = "bpp=1024 warps=4 asm=True hints=True tables=global loads=auto"
     slow = "bpp=512 warps=2 asm=True hints=True tables=global loads=auto"
     no_asm = next(label for label in labels if "asm=False" in label)
     rows = [dict(kind="sweep-gpu", shape=shape, dtype="fp16", implementation=label, median_us=us)
             for shape in ("4096x1024", "8192x2048") for label, us in ((fast, 10.0), (slow, 11.0), (no_asm, 9.0))]
-    best, label, slowdown = bench.best_launch_config(rows)
+    best, label, slowdown = bench_sweep.best_launch_config(rows)
     assert (best, label) == (kernel.LaunchConfig(1024, 4, False), fast) and slowdown == pytest.approx(10 / 9)
     with open(os.path.join(RESULTS, "sweep.csv")) as handle:
         committed = [dict(row, median_us=float(row["median_us"])) for row in csv.DictReader(handle)]
-    best, label, slowdown = bench.best_launch_config(committed)
+    best, label, slowdown = bench_sweep.best_launch_config(committed)
     assert label in labels and best.bytes_per_program == labels[label]["BYTES_PER_PROGRAM"] and slowdown >= 1
 
 
@@ -60,19 +102,15 @@ def test_best_launch_config_from_the_sweep():
 def test_gpu_times_per_callable():
     import torch
 
-    sys.path.insert(0, ROOT)
-    import bench
-    import kernel
-
-    packed, state = bench.make_weight((256, 128), torch.float16)
+    packed, state = bench_weights.make_weight((256, 128), torch.float16)
     x = torch.ones(4096, device="cuda")
     fns = {"ours": lambda: kernel.dequantize_nf4(packed, state), "x*2": lambda: x * 2}
-    times = bench.gpu_times(fns, calls=5)
+    times = bench_timing.gpu_times(fns, calls=5)
     assert list(times) == ["ours", "x*2"] and all(ms > 0 for ms in times.values())
-    only = bench.gpu_times(fns, calls=5, only="dequantize_4bit_kernel")
+    only = bench_timing.gpu_times(fns, calls=5, only="dequantize_4bit_kernel")
     assert only["ours"] > 0 and only["x*2"] == 0
     with pytest.raises(RuntimeError, match="flushed calls with GPU work"):
-        bench.gpu_times({"nothing": lambda: None}, calls=3)
+        bench_timing.gpu_times({"nothing": lambda: None}, calls=3)
 
 
 @pytest.mark.gpu
@@ -80,11 +118,8 @@ def test_gpu_times_per_callable():
 def test_floor_kernel_reads_the_packed_bytes_and_the_absmax(shape):
     import torch
 
-    sys.path.insert(0, ROOT)
-    import bench
-
-    packed, state = bench.make_weight(shape, torch.float16)
-    out = bench.expand_floor(packed, state)
+    packed, state = bench_weights.make_weight(shape, torch.float16)
+    out = bench_contenders.expand_floor(packed, state)
     summed = (packed.view(-1).to(torch.int32) + state.absmax.repeat_interleave(32).to(torch.int32)) & 0xFF
     expected = torch.stack((summed >> 4, summed & 0xF), dim=1).reshape(shape).to(torch.float16)
     assert torch.equal(out, expected)
@@ -96,10 +131,7 @@ def test_compiled_floor_matches_the_floor_kernel():
     import torch
     from torch._dynamo.utils import counters
 
-    sys.path.insert(0, ROOT)
-    import bench
-
-    packed, state = bench.make_weight((256, 192), torch.bfloat16)
+    packed, state = bench_weights.make_weight((256, 192), torch.bfloat16)
     counters.clear()
-    assert torch.equal(bench.compiled_floor(packed, state)(), bench.expand_floor(packed, state))
+    assert torch.equal(bench_contenders.compiled_floor(packed, state)(), bench_contenders.expand_floor(packed, state))
     assert not counters["graph_break"]

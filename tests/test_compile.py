@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import bench
+import bench_compile
+import bench_weights
 import kernel
 from helpers import assert_bit_exact, offset_copy, quantize
 
@@ -54,7 +55,7 @@ def test_single_call_fullgraph(dtype, device):
 def test_entry_point_fullgraph(device):
     """The challenge's entry point on a layer, compiled whole: no graph break, eager's bits."""
     packed, state = quantize((64, 192), dtype=torch.bfloat16, device=device, seed=5)
-    layer = bench.params4bit_module(packed, state)
+    layer = bench_weights.params4bit_module(packed, state)
     compiled = torch.compile(kernel.your_dequantize_nf4, fullgraph=True)
     assert_bit_exact(compiled(layer), kernel.your_dequantize_nf4(layer))
     assert not counters["graph_break"]
@@ -135,7 +136,7 @@ def test_reduce_overhead_mode():
 def test_reduce_overhead_with_static_inputs_reads_the_weight_on_each_replay():
     """Weight and state tensors marked static (as a model's parameters are): the graph reads them in
     place, so bytes re-written in place show up on the next replay."""
-    packed, state = bench.static_weight(*quantize((512, 1024), dtype=torch.float16, device="cuda", seed=4))
+    packed, state = bench_compile.static_weight(*quantize((512, 1024), dtype=torch.float16, device="cuda", seed=4))
     other, _ = quantize((512, 1024), dtype=torch.float16, device="cuda", seed=5)
     compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), mode="reduce-overhead",
                              fullgraph=True)

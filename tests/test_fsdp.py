@@ -1,5 +1,6 @@
-"""fsdp_qlora.py: its arguments and loss comparison on the CPU; the two-GPU run itself where two
-GPUs are present (a short run: every frozen shard unchanged, no stale plan, plans bounded)."""
+"""fsdp_qlora.py: its arguments, its CSV's version columns and loss comparison on the CPU; the
+two-GPU run itself where two GPUs are present (a short run: every frozen shard unchanged, no stale
+plan, plans bounded)."""
 
 import csv
 import os
@@ -10,7 +11,10 @@ import sys
 import pytest
 import torch
 
+import bench_results
 import fsdp_qlora
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_arguments():
@@ -24,6 +28,14 @@ def test_arguments():
 def test_bad_arguments(argv):
     with pytest.raises(SystemExit):
         fsdp_qlora.parse_args(argv)
+
+
+def test_version_columns_as_committed():
+    """fsdp.csv's version columns, in the committed run's order."""
+    with open(os.path.join(ROOT, "results", "nvidia-h200", "fsdp.csv"), newline="") as handle:
+        header = next(csv.reader(handle))
+    columns = list(bench_results.version_columns(fsdp_qlora.PACKAGES))
+    assert header[3:3 + len(columns)] == columns
 
 
 def test_compare_losses():
@@ -58,12 +70,11 @@ def test_whole_gathers_only_sharded_tensors():
 @pytest.mark.gpu(2)
 @pytest.mark.parametrize("flavour", ["1", "2"], ids=["FSDP1", "FSDP2"])
 def test_two_gpu_run(flavour, tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     torchrun = shutil.which("torchrun") or [sys.executable, "-m", "torch.distributed.run"]
     command = ([torchrun] if isinstance(torchrun, str) else torchrun) + [
-        "--nproc_per_node", "2", os.path.join(root, "fsdp_qlora.py"), "--sizes", "2048x5632x4", "--steps", "3",
+        "--nproc_per_node", "2", os.path.join(ROOT, "fsdp_qlora.py"), "--sizes", "2048x5632x4", "--steps", "3",
         "--plan-steps", "5", "--fsdp", flavour, "--out", str(tmp_path)]
-    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     (folder,) = [os.path.join(tmp_path, name) for name in os.listdir(tmp_path)]
     rows = list(csv.DictReader(open(os.path.join(folder, "fsdp.csv"))))

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-import bench
+import bench_contenders
+import bench_harness
 import fastpath
 import kernel
 from helpers import assert_bit_exact, bnb_dequantize, quantize
@@ -137,9 +138,9 @@ def test_caller_stream():
 
 
 # ---- the challenge's check (challenge.md), without its timing -----------------------------------
-@pytest.mark.parametrize("option", bench.HARNESS_OPTIONS, ids=lambda o: f"{o[2]}x{o[3]}-{o[5]}")
+@pytest.mark.parametrize("option", bench_harness.HARNESS_OPTIONS, ids=lambda o: f"{o[2]}x{o[3]}-{o[5]}")
 def test_challenge_check(option):
-    """The challenge's own warm-up check (bench.challenge_check), with Unsloth's equality when installed."""
+    """The challenge's own warm-up check (bench_harness.challenge_check), with Unsloth's equality when installed."""
     pytest.importorskip("transformers")
-    largest = bench.challenge_check(kernel.your_dequantize_nf4, option, bench.unsloth_fast_dequantize())
+    largest = bench_harness.challenge_check(kernel.your_dequantize_nf4, option, bench_contenders.unsloth_fast_dequantize())
     assert math.isfinite(largest)

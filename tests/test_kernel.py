@@ -8,7 +8,7 @@ import pytest
 import torch
 import triton
 
-import bench
+import bench_weights
 import kernel
 from helpers import (
     assert_bit_exact,
@@ -177,7 +177,7 @@ def test_entry_point_on_params4bit(device):
     """your_dequantize_nf4 reads the Params4bit's data with its __torch_function__ switched off: the
     same tensor and the same bits as the challenge's own `layer.weight.data` call, nothing changed."""
     packed, state = quantize((96, 128), device=device, seed=4)
-    layer = bench.params4bit_module(packed, state)
+    layer = bench_weights.params4bit_module(packed, state)
     before = snapshot(packed, state)
     assert_bit_exact(kernel.your_dequantize_nf4(layer), expected_values(packed, state))
     assert_bit_exact(kernel.your_dequantize_nf4(layer),

@@ -1,0 +1,109 @@
+"""Charts of a results folder, drawn from its CSVs alone: kernel time as % of the copy roofline
+(kernel_roofline.png), the launch sweep (sweep.png) and the model's speed over bitsandbytes
+(model.png). ``python bench.py --plot FOLDER`` redraws them."""
+
+import os
+
+
+def plot(folder):
+    """Charts from the CSVs in one results folder: kernel % of copy roofline per shape, the launch
+    sweep (time against bytes per program, a line per num_warps / asm family) and the model's
+    speed over bitsandbytes, each where its CSV is there; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    written = []
+    bench_csv = os.path.join(folder, "bench.csv")
+    frame = pd.read_csv(bench_csv) if os.path.exists(bench_csv) else pd.DataFrame({"kind": []})
+    kernels = frame[frame["kind"].isin(["kernel", "kernel-gpu"])]
+    if len(kernels):
+        meta = frame.iloc[0]
+        groups = list(kernels.groupby(["kind", "dtype"]))
+        n_dtypes = kernels["dtype"].nunique()
+        fig, axes = plt.subplots(len(groups) // n_dtypes, n_dtypes, figsize=(12, 4.5 * len(groups) // n_dtypes),
+                                 squeeze=False)
+        for ax, ((kind, dtype), rows) in zip(axes.flat, groups):
+            table = rows.pivot(index="shape", columns="implementation", values="pct_roofline")
+            table = table.loc[sorted(table.index, key=lambda s: int(s.split("x")[0]) * int(s.split("x")[1]))]
+            table.plot.bar(ax=ax, rot=30)
+            ax.axhline(100, color="black", linewidth=0.8, linestyle="--")
+            timing = "do_bench" if kind == "kernel" else "GPU time, profiler"
+            ax.set_title(f"{dtype}: % of device copy bandwidth ({timing})")
+            ax.set_ylabel("% of copy roofline")
+            ax.get_legend().remove()  # one legend below the panels: inside one it covers the small shapes' bars
+        written.append(_save_with_legend_below(plt, fig, axes, os.path.join(folder, "kernel_roofline.png"), run_line(meta),
+                                               ncol=None, fontsize=9, bottom=0.04, dpi=110))
+    sweep_csv = os.path.join(folder, "sweep.csv")
+    if os.path.exists(sweep_csv):
+        frame = pd.read_csv(sweep_csv)
+        kind = "sweep-gpu" if (frame["kind"] == "sweep-gpu").any() else "sweep"
+        frame = frame[frame["kind"] == kind].copy()
+        config = frame["implementation"].str.extract(r"bpp=(\d+) (.*)")
+        frame["bytes_per_program"] = config[0].astype(int)
+        frame["family"] = config[1]
+        groups = list(frame.groupby(["shape", "dtype"], sort=False))
+        fig, axes = plt.subplots(2, (len(groups) + 1) // 2, figsize=(15, 9), squeeze=False)
+        for ax, ((shape, dtype), rows) in zip(axes.flat, groups):
+            best = rows["median_us"].min()
+            top = best * 1.3  # the close configurations; the slower ones are marked on the top edge
+            for family, line in rows.groupby("family"):
+                line = line.sort_values("bytes_per_program")
+                (drawn,) = ax.plot(line["bytes_per_program"], line["median_us"], marker="o", label=family)
+                above = line[line["median_us"] > top]
+                ax.plot(above["bytes_per_program"], [top] * len(above), marker="^", markersize=9, linestyle="none",
+                        color=drawn.get_color(), clip_on=False)
+            ax.set_ylim(best * 0.98, top)
+            ax.set_xscale("log", base=2)
+            clipped = int((rows["median_us"] > top).sum())
+            ax.set_title(f"{shape} {dtype}: best {best:.2f} us\n{clipped} points above the top (\u25b2)", fontsize=10, pad=8)
+            ax.set_xlabel("packed bytes per program")
+            ax.set_ylabel("GPU time per call, us (profiler)" if kind == "sweep-gpu" else "us (do_bench, L2 flushed)")
+        title = (f"Launch sweep on {frame.iloc[0]['gpu']} (triton {frame.iloc[0]['triton_version']}); "
+                 "y axis up to 1.3x each shape's best, \u25b2 on the top edge: a point above it")
+        written.append(_save_with_legend_below(plt, fig, axes, os.path.join(folder, "sweep.png"), title, ncol=3,
+                                               fontsize=10, bottom=0.08, dpi=100))
+    model_csv = os.path.join(folder, "model.csv")
+    if os.path.exists(model_csv):
+        written.append(plot_model(pd.read_csv(model_csv), os.path.join(folder, "model.png"), plt))
+    return written
+
+
+def _save_with_legend_below(plt, fig, axes, path, title, *, ncol, fontsize, bottom, dpi):
+    """One legend for all panels below them (``ncol`` None: one row), the title, the file; returns its path."""
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=ncol or len(labels), fontsize=8)
+    fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def plot_model(frame, path, plt):
+    """End to end: time per prefill and per QLoRA step, each contender over bitsandbytes' own
+    (a bar per contender, a panel per model and dtype)."""
+    frame = frame[frame["kind"] != "crossover"].copy()
+    frame["case"] = frame["kind"].str.replace("qlora-step-checkpointed", "step+ckpt").str.replace(
+        "qlora-step", "step") + " " + frame["tokens"]
+    groups = list(frame.groupby(["model", "dtype"], sort=False))
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4.5), squeeze=False)
+    for ax, ((model, dtype), rows) in zip(axes.flat, groups):
+        table = rows.pivot(index="case", columns="implementation", values="median_ms")
+        table = table.loc[list(dict.fromkeys(rows["case"]))]
+        (table["bitsandbytes"].to_numpy()[:, None] / table).plot.bar(ax=ax, rot=30)
+        ax.axhline(1, color="black", linewidth=0.8, linestyle="--")
+        ax.set_title(f"{model} {dtype}", fontsize=9)
+        ax.set_ylabel("speed over bitsandbytes' Linear4bit (x)")
+        ax.get_legend().remove()  # one legend below the panels: inside one it covered the tallest bars
+    meta = frame.iloc[0]
+    title = f"Llama-style model, 4-bit NF4 (hidden x intermediate x layers) | {run_line(meta)}"
+    return _save_with_legend_below(plt, fig, axes, path, title, ncol=None, fontsize=8, bottom=0.07, dpi=100)
+
+
+def run_line(meta):
+    """The GPU and versions of a CSV row, as a chart's title gives them."""
+    return (f"{meta['gpu']} | torch {meta['torch_version']} | triton {meta['triton_version']} | "
+            f"bnb {meta['bitsandbytes_version']} | unsloth {meta['unsloth_version']}")
