@@ -37,10 +37,11 @@ import bench_sweep
 import bench_timing
 import bench_weights
 import kernel
+import matmulbench
 import modelbench
 
-SECTIONS = ("kernels", "harness", "compile", "sweep", "forms", "model")
-DEFAULT_SECTIONS = ("kernels", "harness", "compile", "sweep", "forms")  # "model" takes minutes more
+SECTIONS = ("kernels", "harness", "compile", "sweep", "forms", "model", "matmul")
+DEFAULT_SECTIONS = ("kernels", "harness", "compile", "sweep", "forms")  # "model" and "matmul" take minutes more
 
 
 def parse_args(argv=None):
@@ -51,7 +52,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="results", help="folder for CSVs (a per-GPU subfolder is made)")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but model)")
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but model and matmul)")
     parser.add_argument("--plot", metavar="FOLDER", help="only draw the charts of a results folder")
     args = parser.parse_args(argv)
     args.sections = args.sections.split(",")
@@ -111,6 +112,9 @@ def main(argv=None):
     if "model" in sections:
         sizes = list(modelbench.SIZES)[:1] if args.quick else list(modelbench.SIZES)
         rows += modelbench.run(sizes, dtypes, rounds, meta, tqdm.write)
+    if "matmul" in sections:
+        rows += matmulbench.run(dtypes, rounds, meta, tqdm.write,
+                                rows=matmulbench.QUICK_ROWS if args.quick else matmulbench.ROWS)
 
     folder = bench_results.write_results(rows, bench_results.results_folder(args.out))
     print("wrote", ", ".join(bench_plots.plot(folder)), "and the CSVs in", folder)

@@ -68,7 +68,32 @@ def plot(folder):
     model_csv = os.path.join(folder, "model.csv")
     if os.path.exists(model_csv):
         written.append(plot_model(pd.read_csv(model_csv), os.path.join(folder, "model.png"), plt))
+    matmul_csv = os.path.join(folder, "matmul.csv")
+    if os.path.exists(matmul_csv):
+        written.append(plot_matmul(pd.read_csv(matmul_csv), os.path.join(folder, "matmul.png"), plt))
     return written
+
+
+def plot_matmul(frame, path, plt):
+    """GPU time per call against rows M on log axes, a panel per (dtype, layer), the roofline dashed."""
+    groups = list(frame.groupby(["dtype", "shape"], sort=False))
+    columns = frame["shape"].nunique()
+    fig, axes = plt.subplots(len(groups) // columns, columns, figsize=(4 * columns, 4 * len(groups) // columns),
+                             squeeze=False)
+    for ax, ((dtype, shape), rows) in zip(axes.flat, groups):
+        for name, line in rows.groupby("implementation", sort=False):
+            line = line.sort_values("rows")
+            ax.plot(line["rows"], line["median_us"], marker="o", markersize=3, label=name)
+        roofline = rows.drop_duplicates("rows").sort_values("rows")
+        ax.plot(roofline["rows"], roofline["roofline_us"], color="black", linestyle="--", label="roofline")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{shape} (in x out), {dtype}", fontsize=10)
+        ax.set_xlabel("rows M")
+        ax.set_ylabel("GPU time per call, us (CUDA graph)")
+        ax.grid(True, which="both", linewidth=0.3)
+    meta = frame.iloc[0]
+    return _save_with_legend_below(plt, fig, axes, path, run_line(meta), ncol=6, fontsize=10, bottom=0.08, dpi=90)
 
 
 def _save_with_legend_below(plt, fig, axes, path, title, *, ncol, fontsize, bottom, dpi):

@@ -18,6 +18,7 @@ RESULT_FILES = {
     "model.csv": ("crossover", "prefill", "qlora-step", "qlora-step-checkpointed"),
     "sweep.csv": ("roofline", "sweep", "sweep-gpu"),
     "compile.csv": ("roofline", "compile", "compile-kernel", "compile-reference", "compile-host"),
+    "matmul.csv": ("matmul",),
 }
 
 

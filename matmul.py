@@ -41,12 +41,19 @@ def _add(a, b):
 @_jit
 def _block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, mask, BLOCKSIZE2: tl.constexpr,
                   NESTED: tl.constexpr, TABLE_HINT: tl.constexpr, USE_ASM: tl.constexpr, SHARED_TABLES: tl.constexpr):
-    """fp32 scale of each quantization block index in ``block`` (the absmax decode of kernel.py)."""
+    """fp32 scale of each quantization block index in ``block`` (the absmax decode of kernel.py);
+    ``mask`` None: every index is inside the weight."""
     if NESTED:
-        absmax_q = tl.load(absmax_ptr + block, mask=mask, other=0, eviction_policy=TABLE_HINT)
+        if mask is None:
+            absmax_q = tl.load(absmax_ptr + block, eviction_policy=TABLE_HINT)
+            absmax2 = tl.load(absmax2_ptr + block // BLOCKSIZE2, eviction_policy=TABLE_HINT)
+        else:
+            absmax_q = tl.load(absmax_ptr + block, mask=mask, other=0, eviction_policy=TABLE_HINT)
+            absmax2 = tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=mask, other=0, eviction_policy=TABLE_HINT)
         absmax_code = _lookup(code2_ptr, absmax_q.to(tl.int32), 256, TABLE_HINT, SHARED_TABLES)
-        absmax2 = tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=mask, other=0, eviction_policy=TABLE_HINT)
         return _add_rn(_mul_ftz(absmax_code, absmax2, USE_ASM), tl.load(offset_ptr), USE_ASM)
+    elif mask is None:
+        return tl.load(absmax_ptr + block, eviction_policy=TABLE_HINT)
     else:
         return tl.load(absmax_ptr + block, mask=mask, other=0.0, eviction_policy=TABLE_HINT)
 
@@ -63,17 +70,29 @@ def _codebook(code_ptr, FP4: tl.constexpr):
 
 
 @_jit
-def _weight_tile(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, codebook, n, k0, N, K,
+def _pair_codebook(codebook):
+    """256 entries, one per packed byte: the two code values it holds as one uint64, the high
+    nibble's value (the even element) in the low half. One 8-byte lookup decodes two elements."""
+    byte = tl.arange(0, 256)
+    first = tl.gather(codebook, byte >> 4, 0).to(tl.uint32, bitcast=True).to(tl.uint64)
+    second = tl.gather(codebook, byte & 0xF, 0).to(tl.uint32, bitcast=True).to(tl.uint64)
+    return first | (second << 32)
+
+
+@_jit
+def _weight_tile(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, codebook, pairs, n, k0, N, K,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr,
                  NESTED: tl.constexpr, FP4: tl.constexpr, W_DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
-                 BF16_VIA_INT: tl.constexpr, SHARED_TABLES: tl.constexpr, USE_INT64: tl.constexpr):
+                 BF16_VIA_INT: tl.constexpr, LOOKUP: tl.constexpr, EVEN: tl.constexpr, USE_INT64: tl.constexpr):
     """Rows ``n`` (BLOCK_N), columns ``k0 .. k0 + BLOCK_K`` of the weight as W_DTYPE, shaped
     [BLOCK_N, SCALES, WORDS_PER_SCALE, 8]: SCALES quantization blocks per row, each read as int32
     words of 8 codes in column order (K and BLOCKSIZE are multiples of 8).
 
-    The values are those of kernel.py's decode, ``W_DTYPE(fp32(code * scale))``, formed per block
-    as a table of the 16 possible products, then looked up by code: 16 multiplies and casts per
-    block instead of one per element, and one shared-memory load per element."""
+    The values are those of kernel.py's decode, ``W_DTYPE(fp32(code * scale))``, the code value
+    found by one of three lookups (LOOKUP): 0, per element in the global codebook (kernel.py's
+    ``_decode``); 1, per block a table of the 16 possible products (16 multiplies and casts per
+    block, then one shared-memory load per element); 2, per byte in a shared table of code pairs
+    (one 8-byte load per two elements). EVEN: the tile lies inside the weight (no masks)."""
     TABLE_HINT: tl.constexpr = "evict_last"
     SCALE_SPAN: tl.constexpr = BLOCKSIZE if BLOCKSIZE < BLOCK_K else BLOCK_K  # columns of a block in the tile
     SCALES: tl.constexpr = BLOCK_K // SCALE_SPAN
@@ -84,33 +103,50 @@ def _weight_tile(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offse
 
     block = row[:, None] * (K // BLOCKSIZE) + (k0 // BLOCKSIZE + block_in_tile)[None, :]  # [BLOCK_N, SCALES]
     block_mask = row_mask[:, None] & ((k0 + block_in_tile * SCALE_SPAN)[None, :] < K)
+    if EVEN:
+        block_mask = None
     scales = _block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, block_mask, BLOCKSIZE2, NESTED,
-                           TABLE_HINT, USE_ASM, SHARED_TABLES)
+                           TABLE_HINT, USE_ASM, LOOKUP == 1)
 
     word = (k0 // 8 + block_in_tile[:, None] * WORDS_PER_SCALE + tl.arange(0, WORDS_PER_SCALE)[None, :])  # [SCALES, W]
-    words = tl.load(packed_ptr.to(tl.pointer_type(tl.int32)) + row[:, None, None] * (K // 8) + word[None, :, :],
-                    mask=row_mask[:, None, None] & (word < K // 8)[None, :, :], other=0)
-    element = tl.arange(0, 8)
-    shifts = 8 * (element // 2) + 4 * (1 - element % 2)  # element 2j is byte j's high nibble
-    codes = (words[:, :, :, None] >> shifts[None, None, None, :]) & 0xF  # [BLOCK_N, SCALES, W, 8]
-
-    if SHARED_TABLES:
-        products = _mul_ftz(codebook[None, None, :], scales[:, :, None], USE_ASM)  # [BLOCK_N, SCALES, 16]
-        if W_DTYPE == tl.bfloat16 and BF16_VIA_INT:
-            products = _fp32_to_bf16_rne(products)
-        else:
-            products = products.to(W_DTYPE)
-        table_row = (tl.arange(0, BLOCK_N)[:, None] * SCALES + block_in_tile[None, :]) * 16
-        index = table_row[:, :, None, None] + codes
-        values = tl.gather(tl.reshape(products, (BLOCK_N * SCALES * 16,)), tl.reshape(index, (index.numel,)), 0)
-        return tl.reshape(values, (BLOCK_N, SCALES, WORDS_PER_SCALE, 8))
+    word_ptrs = packed_ptr.to(tl.pointer_type(tl.int32)) + row[:, None, None] * (K // 8) + word[None, :, :]
+    if EVEN:
+        words = tl.load(word_ptrs)
     else:
-        values = _decode(codes, tl.broadcast_to(scales[:, :, None, None], codes.shape), code_ptr, TABLE_HINT, FP4,
-                         USE_ASM, False)
-        if W_DTYPE == tl.bfloat16 and BF16_VIA_INT:
-            return _fp32_to_bf16_rne(values)
+        words = tl.load(word_ptrs, mask=row_mask[:, None, None] & (word < K // 8)[None, :, :], other=0)
+    if LOOKUP == 2:
+        byte = (words[:, :, :, None] >> (8 * tl.arange(0, 4))[None, None, None, :]) & 0xFF  # [BLOCK_N, SCALES, W, 4]
+        pair = tl.reshape(tl.gather(pairs, tl.reshape(byte, (byte.numel,)), 0), byte.shape)
+        scale = scales[:, :, None, None]
+        first = _mul_ftz(pair.to(tl.uint32).to(tl.float32, bitcast=True), scale, USE_ASM)
+        second = _mul_ftz((pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True), scale, USE_ASM)
+        weights = _round(tl.reshape(tl.join(first, second), (BLOCK_N, SCALES, WORDS_PER_SCALE, 8)), W_DTYPE,
+                         BF16_VIA_INT)
+    else:
+        element = tl.arange(0, 8)
+        shifts = 8 * (element // 2) + 4 * (1 - element % 2)  # element 2j is byte j's high nibble
+        codes = (words[:, :, :, None] >> shifts[None, None, None, :]) & 0xF  # [BLOCK_N, SCALES, W, 8]
+        if LOOKUP == 1:
+            products = _round(_mul_ftz(codebook[None, None, :], scales[:, :, None], USE_ASM), W_DTYPE, BF16_VIA_INT)
+            table_row = (tl.arange(0, BLOCK_N)[:, None] * SCALES + block_in_tile[None, :]) * 16  # [BLOCK_N, SCALES, 16]
+            index = table_row[:, :, None, None] + codes
+            weights = tl.reshape(tl.gather(tl.reshape(products, (BLOCK_N * SCALES * 16,)),
+                                           tl.reshape(index, (index.numel,)), 0),
+                                 (BLOCK_N, SCALES, WORDS_PER_SCALE, 8))
         else:
-            return values.to(W_DTYPE)
+            weights = _round(_decode(codes, tl.broadcast_to(scales[:, :, None, None], codes.shape), code_ptr,
+                                     TABLE_HINT, FP4, USE_ASM, False), W_DTYPE, BF16_VIA_INT)
+    return weights
+
+
+@_jit
+def _round(values, W_DTYPE: tl.constexpr, BF16_VIA_INT: tl.constexpr):
+    """fp32 to W_DTYPE, nearest even (bf16 through integers where the hardware or the interpreter
+    cannot)."""
+    if W_DTYPE == tl.bfloat16 and BF16_VIA_INT:
+        return _fp32_to_bf16_rne(values)
+    else:
+        return values.to(W_DTYPE)
 
 
 @_jit
@@ -146,7 +182,8 @@ def nf4_matmul_kernel(
     HAS_BIAS: tl.constexpr,  # add bias (SPLIT_K == 1 only; the reduction adds it otherwise)
     USE_ASM: tl.constexpr,  # inline-PTX arithmetic (NVIDIA only)
     BF16_VIA_INT: tl.constexpr,  # round to bf16 with integer ops (sm_75, interpreter)
-    SHARED_TABLES: tl.constexpr,  # codebooks in shared memory (tl.gather)
+    LOOKUP: tl.constexpr,  # how a code's value is found: 0 global codebook, 1 per-block product tables, 2 byte pairs
+    EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks on the weight
     USE_INT64: tl.constexpr,  # 64-bit offsets (the weight has more than 2**31 - 1 elements)
 ):
     SCALE_SPAN: tl.constexpr = BLOCKSIZE if BLOCKSIZE < BLOCK_K else BLOCK_K
@@ -163,15 +200,16 @@ def nf4_matmul_kernel(
     last = tl.minimum(first + steps_per_split, steps)
 
     codebook = _codebook(code_ptr, FP4)
+    pairs = _pair_codebook(codebook) if LOOKUP == 2 else codebook
     if DOT:
         acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
     else:
         acc = tl.full((BLOCK_N, BLOCK_K // SCALE_SPAN, SCALE_SPAN // 8), 0.0, tl.float32)
     for step in range(first, last):
         k0 = step * BLOCK_K
-        w = _weight_tile(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, codebook, n, k0, N, K,
-                         BLOCK_N, BLOCK_K, BLOCKSIZE, BLOCKSIZE2, NESTED, FP4, X_DTYPE, USE_ASM, BF16_VIA_INT,
-                         SHARED_TABLES, USE_INT64)
+        w = _weight_tile(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, codebook, pairs, n, k0,
+                         N, K, BLOCK_N, BLOCK_K, BLOCKSIZE, BLOCKSIZE2, NESTED, FP4, X_DTYPE, USE_ASM, BF16_VIA_INT,
+                         LOOKUP, EVEN, USE_INT64)
         if DOT:
             k = k0 + tl.arange(0, BLOCK_K)
             x_t = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=m_mask[None, :] & (k[:, None] < K),
@@ -183,7 +221,10 @@ def nf4_matmul_kernel(
                 acc = tl.dot(w, x_t, acc)
         else:  # one row of x (BLOCK_M == 1), shaped like the weight tile's row
             k = k0 + tl.reshape(tl.arange(0, BLOCK_K), (BLOCK_K // SCALE_SPAN, SCALE_SPAN // 8, 8))
-            x = tl.load(x_ptr + pid_m * stride_xm + k, mask=k < K, other=0.0)
+            if EVEN:
+                x = tl.load(x_ptr + pid_m * stride_xm + k)
+            else:
+                x = tl.load(x_ptr + pid_m * stride_xm + k, mask=k < K, other=0.0)
             # each thread holds a word's 8 codes: their sum needs no exchange between threads
             acc += tl.reduce(w.to(tl.float32) * x.to(tl.float32)[None, :, :, :], 3, _add)
     if DOT:
@@ -241,7 +282,7 @@ class MatmulConfig(typing.NamedTuple):
     dot: bool
     num_warps: int
     num_stages: int = 2
-    shared_tables: bool = True  # per-block product tables looked up in shared memory (Triton >= 3.4)
+    lookup: int = 2  # 0 global codebook, 1 per-block product tables, 2 byte pairs (1, 2: shared memory, Triton >= 3.4)
 
 
 class Route(typing.NamedTuple):
@@ -261,32 +302,30 @@ class Route(typing.NamedTuple):
 C = MatmulConfig
 _M = 1 << 20
 # Compute capability -> routes, the first one a call fits wins (else dequantize + cuBLAS).
-# sm_90: the fastest path at each measured point of the H100 sweep (bf16, CUDA-graph GPU time,
-# matmulbench.py --sweep; NOTES.md item 67), us at M rows:
+# sm_90: the fastest path at each point of the H100 sweep in bf16 (CUDA-graph GPU time per call,
+# ``matmulbench.py --sweep``; NOTES.md item 70), us for bitsandbytes / dequantize + cuBLAS / fused:
 MATMUL_ROUTES = {
     (9, 0): (
-        # bitsandbytes' GEMV and small-batch kernel: 29.5 / 44.3 against 37.3 / 51.2 at 4096x14336, M=1 / 2
+        # its GEMV at one row, its small-batch kernel at two: 29.3 / 100.3 / 36.8 and 44.4 / 100.3 / 51.1 at 4096x14336
         Route(2, "bitsandbytes"),
-        # 51.0 against bitsandbytes 66.5 and dequantize 100.8 at 4096x14336, M=16; 18.9 / 37.3 / 25.9 at 4096x4096
-        Route(16, "fused", C(16, 64, 128, 4, True, 4, 2), min_weight=16 * _M),
-        # 10.0 against 17.4 / 11.4 at 4096x1024, M=16 (64 wide: 16.0)
-        Route(16, "fused", C(16, 32, 256, 4, True, 4, 2)),
-        # 237.8 against 362.4 / 379.3 at 8192x28672, M=64; 247.4 against 462.7 / 382.5 at 28672x8192
-        Route(64, "fused", C(64, 64, 128, 2, True, 4, 3), min_in=8192, min_out=8192, min_weight=56 * _M),
-        # 93.1 against 124.8 / 101.7 at 14336x4096, M=64 (128 deep: 105.8)
-        Route(64, "fused", C(64, 64, 64, 2, True, 8, 3), min_in=14336, min_weight=56 * _M),
-        # bitsandbytes 68.4 against 70.5 fused at 4096x14336, M=32
-        Route(32, "bitsandbytes", min_weight=56 * _M),
-        # 71.3 against 121.6 / 98.8 at 4096x14336, M=64
-        Route(64, "fused", C(64, 64, 128, 1, True, 4, 3), min_weight=56 * _M),
-        # 89.5 / 317.8 / 274.6 against dequantize 100.3 / 380.0 / 390.6 at 4096x14336, 8192x28672,
-        # 28672x8192, M=128 (at 14336x4096 dequantize wins: 105.9 against 123.9)
-        Route(128, "fused", C(128, 64, 128, 2, True, 4, 3), min_weight=56 * _M, min_out=8192),
+        # 66.0 / 100.4 / 49.5 at 4096x14336, M=16; 123.5 / 100.4 / 47.8 at 14336x4096; 37.7 / 26.1 / 17.8 at 4096x4096
+        Route(16, "fused", C(16, 64, 256, 4, True, 4, 2, 2), min_weight=16 * _M),
+        # 17.3 / 11.3 / 10.5 at 4096x1024, M=16 (product tables; 64 wide: 16.0)
+        Route(16, "fused", C(16, 32, 256, 4, True, 4, 2, 1)),
+        # 121.3 / 98.7 / 60.9 at 4096x14336, M=64; 364.8 / 385.0 / 231.7 at 8192x28672
+        Route(64, "fused", C(64, 128, 128, 2, True, 4, 3, 2), min_weight=56 * _M, min_out=14336),
+        # 124.5 / 101.4 / 81.6 at 14336x4096, M=64; 461.4 / 386.7 / 210.3 at 28672x8192
+        Route(64, "fused", C(64, 64, 128, 2, True, 4, 3, 2), min_weight=56 * _M),
+        # 122.7 / 99.9 / 71.6 at 4096x14336, M=128; 464.4 / 387.3 / 281.9 at 8192x28672
+        Route(128, "fused", C(128, 64, 128, 1, True, 4, 3, 2), min_weight=56 * _M, min_out=14336),
+        # 129.5 / 106.6 / 97.2 at 14336x4096, M=128; 468.7 / 394.7 / 236.9 at 28672x8192. From 256 rows on,
+        # and from 32 rows on below 56M weights, dequantize + cuBLAS: 106.0 / 139.0 at 4096x14336, M=256
+        Route(128, "fused", C(128, 64, 128, 2, True, 4, 3, 2), min_weight=56 * _M),
     ),
 }
-# Other GPUs, not measured: the fused kernel for a few rows, where it reads the least memory per
-# result; dequantize + cuBLAS from 17 rows on.
-DEFAULT_ROUTES = (Route(1, "fused", C(1, 32, 256, 4, False, 4, 3, False)), Route(16, "fused", C(16, 32, 256, 4, True, 4, 2)))
+# Other GPUs, not measured: the fused kernel up to 16 rows (where it reads the least memory per
+# result), dequantize + cuBLAS beyond.
+DEFAULT_ROUTES = (Route(16, "fused", C(16, 32, 256, 4, True, 4, 2, 1)),)
 _DEQUANTIZE = Route(2**62, "dequantize")
 
 
@@ -312,6 +351,7 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
         use_asm = not INTERPRET and torch.version.hip is None
     if bf16_via_int is None:
         bf16_via_int = INTERPRET or (not INTERPRET and torch.cuda.get_device_capability(x2d.device) < (8, 0))
+    lookup = config.lookup if kernel.TRITON_COMPILES_SHARED_TABLES else 0  # gathers compile from Triton 3.4
     split_k = config.split_k
     target = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x2d.device)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split_k)
@@ -321,7 +361,7 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
         BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, FP4=fp4, X_DTYPE=x_dtype,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, DOT=config.dot,
         HAS_BIAS=bias is not None and split_k == 1, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int,
-        SHARED_TABLES=config.shared_tables, USE_INT64=n * k > 2**31 - 1,
+        LOOKUP=lookup, EVEN=n % config.block_n == 0 and k % config.block_k == 0, USE_INT64=n * k > 2**31 - 1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split_k > 1:
@@ -458,7 +498,7 @@ def _config_of(values):
                           for value, default in zip(values, _CONFIG_KINDS)))
 
 
-_CONFIG_KINDS = MatmulConfig(1, 1, 1, 1, True, 1, 1, True)
+_CONFIG_KINDS = MatmulConfig(1, 1, 1, 1, True, 1, 1, 1)
 
 
 def _linear_op_fake(x, packed, absmax, code, absmax2, code2, offset, bias, out_features, blocksize, blocksize2,

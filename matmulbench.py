@@ -1,7 +1,9 @@
 """Benchmark section ``matmul``: the fused NF4 matmul against bitsandbytes, dequantize + cuBLAS and a
 16-bit weight already in memory, over row counts M, with the roofline measured in the same run.
 
-    python matmulbench.py [--dtype fp16|bf16|all] [--rounds N] [--out FOLDER] [--sweep]
+    python bench.py --sections matmul            # the section: results/<gpu>/matmul.csv, matmul.png
+    python matmulbench.py --sweep [--dtype ...] [--layers 4096x14336,...] [--rows 1,16,...]
+                                                 # the candidates behind matmul.MATMUL_ROUTES
 
 GPU time per call comes from CUDA graphs: one graph calls the layer once for each of several
 copies of its weight (more bytes than three L2 sizes, as a model's layers are read from memory,
@@ -16,11 +18,15 @@ import statistics
 
 import torch
 
+import bench_timing
+import bench_weights
+import kernel
 import matmul
 
-LAYERS = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (8192, 28672), (28672, 8192)]  # (in, out)
+# (in, out): Llama-3-8B's attention (q/o, k/v), MLP up/gate and down, and a 70B model's MLP
+LAYERS = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (8192, 28672), (28672, 8192)]
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+QUICK_ROWS = [1, 4, 16, 64, 256, 1024]
 
 
 def make_layer(in_features, out_features, dtype, seed=0):
@@ -96,16 +102,17 @@ def fused_call(layer, x, config, out):
 
 
 C = matmul.MatmulConfig
-# Candidates per row count, from a wider sweep at 4096x14336 and 14336x4096 (NOTES.md, item 67).
+# Candidates per row count (the last field: the code lookup, matmul.py's LOOKUP).
 CANDIDATES = {
-    1: [C(1, 32, 256, 4, False, 4, 3, False), C(1, 16, 256, 1, False, 4, 3), C(1, 32, 256, 4, False, 8, 3, False),
-        C(1, 64, 128, 4, False, 4, 3), C(1, 16, 256, 4, False, 4, 3), C(16, 64, 128, 4, True, 4, 2)],
-    16: [C(16, 64, 128, 4, True, 4, 2), C(16, 64, 256, 4, True, 4, 2), C(16, 64, 128, 1, True, 4, 2),
-         C(16, 64, 256, 1, True, 4, 2), C(16, 32, 256, 4, True, 4, 2), C(16, 64, 128, 2, True, 4, 2)],
-    64: [C(64, 64, 128, 1, True, 4, 3), C(64, 64, 64, 2, True, 8, 3), C(64, 128, 64, 2, True, 4, 3),
-         C(64, 64, 128, 2, True, 4, 3), C(16, 64, 128, 4, True, 4, 2)],
-    512: [C(128, 64, 128, 1, True, 4, 3), C(128, 64, 128, 2, True, 4, 3), C(64, 64, 128, 1, True, 4, 3),
-          C(64, 64, 64, 2, True, 8, 3)],
+    1: [C(1, 32, 256, 4, False, 4, 3, 0)],
+    16: [C(16, bn, bk, sk, True, 4, st, lookup) for bn, bk, sk, st, lookup in (
+        (64, 256, 4, 2, 2), (64, 512, 4, 2, 2), (64, 128, 4, 2, 2), (32, 256, 4, 2, 2), (32, 256, 4, 2, 1),
+        (64, 256, 1, 3, 2), (64, 128, 4, 2, 1))],
+    64: [C(64, bn, bk, sk, True, w, 3, lookup) for bn, bk, sk, w, lookup in (
+        (64, 128, 1, 4, 2), (128, 128, 2, 4, 2), (64, 128, 2, 4, 2), (64, 64, 2, 8, 2), (64, 128, 1, 4, 1),
+        (64, 128, 2, 4, 1))],
+    256: [C(bm, bn, bk, sk, True, w, 3, 2) for bm, bn, bk, sk, w in (
+        (128, 64, 128, 1, 4), (128, 64, 128, 2, 4), (128, 128, 128, 1, 8), (128, 128, 64, 2, 4), (64, 128, 128, 2, 4))],
 }
 
 
@@ -117,8 +124,6 @@ def candidates(m):
 def baselines(layers, x):
     """name -> calls (one per weight copy): bitsandbytes' forward, dequantize + F.linear, and
     F.linear on a 16-bit weight already in memory."""
-    import kernel
-
     resident = [kernel.dequantize_nf4(layer) for layer in layers]
     return {
         "bitsandbytes": [lambda layer=layer: layer(x) for layer in layers],
@@ -130,8 +135,6 @@ def baselines(layers, x):
 
 def sweep(dtype, layers, rows, configs, log=print):
     """Time every config at every (layer, M); check each against dequantize + F.linear."""
-    import kernel
-
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     results = []
     for in_features, out_features in layers:
@@ -167,14 +170,78 @@ def sweep(dtype, layers, rows, configs, log=print):
     return results
 
 
+def fused_config(rows, in_features, out_features):
+    """The fused kernel's configuration for a point: the route's where it is fused, else that of the
+    first fused route for as many rows (the benchmark times the kernel at every point)."""
+    capability = kernel.device_facts()[0]
+    route = matmul.choose_route(capability, rows, in_features, out_features)
+    if route.path == "fused":
+        return route.config
+    fused = [r for r in matmul.MATMUL_ROUTES.get(tuple(capability), matmul.DEFAULT_ROUTES) if r.path == "fused"]
+    return next((r.config for r in fused if rows <= r.max_rows), fused[-1].config)
+
+
+def contenders(layers, x, out_features):
+    """name -> calls (one per weight copy): the baselines, the fused kernel and nf4_linear's route."""
+    rows, in_features = x.shape
+    config = fused_config(rows, in_features, out_features)
+    out = torch.empty(rows, out_features, device="cuda", dtype=x.dtype)
+    return {
+        **baselines(layers, x),
+        "fused kernel": [fused_call(layer, x, config, out) for layer in layers],
+        "nf4_linear (routed)": [lambda layer=layer: matmul.nf4_linear(x, layer) for layer in layers],
+    }
+
+
+def run(dtypes, rounds, meta, log=print, layers=LAYERS, rows=ROWS):
+    """The section: every contender at every (layer, M, dtype), interleaved, ``rounds`` rounds;
+    returns CSV rows (kind "matmul") with the point's roofline and the route nf4_linear took."""
+    bandwidth = copy_bandwidth()
+    log(f"device-to-device copy: {bandwidth:.0f} GB/s (CUDA graph)")
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    capability = kernel.device_facts()[0]
+    table = []
+    for dtype_name, dtype in dtypes.items():
+        tflops = dense_tflops(dtype)
+        log(f"{dtype_name} dense matmul: {tflops:.0f} TFLOP/s (cuBLAS, 8192^3)")
+        for in_features, out_features in layers:
+            base = make_layer(in_features, out_features, dtype)
+            copies = [base] + [copy.deepcopy(base) for _ in range(copies_for(in_features, out_features, l2) - 1)]
+            for m in rows:
+                x = torch.randn(m, in_features, device="cuda", dtype=dtype)
+                roofline_us = max(nf4_bytes(in_features, out_features) / bandwidth / 1e3,
+                                  2 * m * in_features * out_features / tflops / 1e6)
+                route = matmul.choose_route(capability, m, in_features, out_features)
+                with torch.no_grad():
+                    calls = contenders(copies, x, out_features)
+                    samples = {name: [] for name in calls}
+                    for _ in range(rounds):
+                        for name, fns in calls.items():
+                            samples[name].append(graph_us(fns, replays=10))
+                for name, times in samples.items():
+                    median, p20, p80 = bench_timing.summarize(times)
+                    table.append(dict(meta, kind="matmul", shape=f"{in_features}x{out_features}", dtype=dtype_name,
+                                      rows=m, implementation=name, median_us=median, p20_us=p20, p80_us=p80,
+                                      roofline_us=roofline_us, pct_roofline=100 * roofline_us / median,
+                                      route=route.path, copy_gbps=bandwidth, dense_tflops=tflops))
+                best = min(("bitsandbytes", "dequantize + F.linear", "fused kernel"),
+                           key=lambda name: statistics.median(samples[name]))
+                log(f"{dtype_name} {in_features}x{out_features} M={m}: " + ", ".join(
+                    f"{name} {statistics.median(times):.1f}" for name, times in samples.items())
+                    + f" us; roofline {roofline_us:.1f}; route {route.path}, best {best}")
+            del copies, base
+            torch.cuda.empty_cache()
+    return table
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bf16", choices=[*DTYPES, "all"])
+    parser.add_argument("--dtype", default="bf16", choices=[*bench_weights.DTYPES, "all"])
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--layers", default=None, help="e.g. 4096x14336,14336x4096")
     parser.add_argument("--rows", default=None, help="e.g. 1,4,16")
     args = parser.parse_args()
-    dtypes = DTYPES if args.dtype == "all" else {args.dtype: DTYPES[args.dtype]}
+    dtypes = bench_weights.DTYPES if args.dtype == "all" else {args.dtype: bench_weights.DTYPES[args.dtype]}
     layers = [tuple(map(int, s.split("x"))) for s in args.layers.split(",")] if args.layers else LAYERS
     rows = [int(s) for s in args.rows.split(",")] if args.rows else ROWS
     if args.sweep:
