@@ -113,7 +113,7 @@ def main(argv=None):
         sizes = list(modelbench.SIZES)[:1] if args.quick else list(modelbench.SIZES)
         rows += modelbench.run(sizes, dtypes, rounds, meta, tqdm.write)
     if "matmul" in sections:
-        rows += matmulbench.run(dtypes, rounds, meta, tqdm.write,
+        rows += matmulbench.run(dtypes, rounds, rooflines, meta, tqdm.write,
                                 rows=matmulbench.QUICK_ROWS if args.quick else matmulbench.ROWS)
 
     folder = bench_results.write_results(rows, bench_results.results_folder(args.out))

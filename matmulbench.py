@@ -74,14 +74,6 @@ def graph_us(calls, replays=20):
     return start.elapsed_time(end) * 1e3 / (replays * len(calls))
 
 
-def copy_bandwidth():
-    """Device-to-device copy, GB/s of bytes read + written (1 GiB each way), by CUDA graph."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = statistics.median(graph_us([lambda: dst.copy_(src)], replays=5) for _ in range(3))
-    return 2 * src.numel() / us / 1e3
-
-
 def dense_tflops(dtype):
     """A large dense matmul in dtype through cuBLAS, TFLOP/s."""
     a = torch.randn(8192, 8192, device="cuda", dtype=dtype)
@@ -102,7 +94,8 @@ def fused_call(layer, x, config, out):
 
 
 C = matmul.MatmulConfig
-# Candidates per row count (the last field: the code lookup, matmul.py's LOOKUP).
+# Candidates per row count (the last field: the code lookup, matmul.py's LOOKUP), from wider sweeps at
+# 4096x14336 and 14336x4096 (NOTES.md, item 70).
 CANDIDATES = {
     1: [C(1, 32, 256, 4, False, 4, 3, 0)],
     16: [C(16, bn, bk, sk, True, 4, st, lookup) for bn, bk, sk, st, lookup in (
@@ -193,11 +186,12 @@ def contenders(layers, x, out_features):
     }
 
 
-def run(dtypes, rounds, meta, log=print, layers=LAYERS, rows=ROWS):
+def run(dtypes, rounds, rooflines, meta, log=print, layers=LAYERS, rows=ROWS):
     """The section: every contender at every (layer, M, dtype), interleaved, ``rounds`` rounds;
-    returns CSV rows (kind "matmul") with the point's roofline and the route nf4_linear took."""
-    bandwidth = copy_bandwidth()
-    log(f"device-to-device copy: {bandwidth:.0f} GB/s (CUDA graph)")
+    returns CSV rows (kind "matmul") with the point's roofline and the route nf4_linear took.
+    The copy bandwidth is the profiler's (``bench_timing.copy_roofline``): a copy captured in a
+    CUDA graph runs on the copy engines, 2434 against 3014 GB/s on the H100."""
+    bandwidth = rooflines["profiler"]
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     capability = kernel.device_facts()[0]
     table = []
