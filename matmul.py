@@ -178,6 +178,8 @@ def nf4_matmul_kernel(
     BLOCK_N: tl.constexpr,  # weight rows per program
     BLOCK_K: tl.constexpr,  # columns per step (a multiple of 8)
     SPLIT_K: tl.constexpr,  # programs sharing one output tile along K (fp32 partials when > 1)
+    STEPS_PER_SPLIT: tl.constexpr,  # BLOCK_K steps per program: ceil(K / BLOCK_K) / SPLIT_K (a constant: Triton
+    #                                  3.3's interpreter cannot loop to a run-time bound)
     DOT: tl.constexpr,  # tensor-core tl.dot, else fp32 FMA
     HAS_BIAS: tl.constexpr,  # add bias (SPLIT_K == 1 only; the reduction adds it otherwise)
     USE_ASM: tl.constexpr,  # inline-PTX arithmetic (NVIDIA only)
@@ -193,11 +195,7 @@ def nf4_matmul_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
-    # This program's share of K: whole BLOCK_K steps.
-    steps = (K + BLOCK_K - 1) // BLOCK_K
-    steps_per_split = (steps + SPLIT_K - 1) // SPLIT_K
-    first = pid_k * steps_per_split
-    last = tl.minimum(first + steps_per_split, steps)
+    first = pid_k * STEPS_PER_SPLIT  # this program's share of K: whole BLOCK_K steps
 
     codebook = _codebook(code_ptr, FP4)
     pairs = _pair_codebook(codebook) if LOOKUP == 2 else codebook
@@ -205,8 +203,8 @@ def nf4_matmul_kernel(
         acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
     else:
         acc = tl.full((BLOCK_N, BLOCK_K // SCALE_SPAN, SCALE_SPAN // 8), 0.0, tl.float32)
-    for step in range(first, last):
-        k0 = step * BLOCK_K
+    for step_in_split in range(0, STEPS_PER_SPLIT):
+        k0 = (first + step_in_split) * BLOCK_K
         w = _weight_tile(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, codebook, pairs, n, k0,
                          N, K, BLOCK_N, BLOCK_K, BLOCKSIZE, BLOCKSIZE2, NESTED, FP4, X_DTYPE, USE_ASM, BF16_VIA_INT,
                          LOOKUP, EVEN, USE_INT64)
@@ -323,9 +321,11 @@ MATMUL_ROUTES = {
         Route(128, "fused", C(128, 64, 128, 2, True, 4, 3, 2), min_weight=56 * _M),
     ),
 }
-# Other GPUs, not measured: the fused kernel up to 16 rows (where it reads the least memory per
-# result), dequantize + cuBLAS beyond.
+# Reasoned, not measured (no T4, A100 or L4 has run it): the fused kernel up to 16 rows, where it
+# reads the least memory per result, the narrow tile of the H100's small layers; dequantize + cuBLAS
+# beyond. bf16 on sm_75 has no tensor-core product: nf4_linear dequantizes there.
 DEFAULT_ROUTES = (Route(16, "fused", C(16, 32, 256, 4, True, 4, 2, 1)),)
+MATMUL_ROUTES.update({capability: DEFAULT_ROUTES for capability in ((7, 5), (8, 0), (8, 6), (8, 9))})
 _DEQUANTIZE = Route(2**62, "dequantize")
 
 
@@ -352,14 +352,16 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
     if bf16_via_int is None:
         bf16_via_int = INTERPRET or (not INTERPRET and torch.cuda.get_device_capability(x2d.device) < (8, 0))
     lookup = config.lookup if kernel.TRITON_COMPILES_SHARED_TABLES else 0  # gathers compile from Triton 3.4
-    split_k = config.split_k
+    steps = triton.cdiv(k, config.block_k)
+    split_k = max(split for split in range(1, config.split_k + 1) if steps % split == 0)
     target = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x2d.device)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split_k)
     nf4_matmul_kernel[grid](
         x2d, packed, absmax, code, absmax2, code2, offset, bias if bias is not None else out, target,
         m, n, k, x2d.stride(0),
         BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, FP4=fp4, X_DTYPE=x_dtype,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, DOT=config.dot,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
+        STEPS_PER_SPLIT=steps // split_k, DOT=config.dot,
         HAS_BIAS=bias is not None and split_k == 1, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int,
         LOOKUP=lookup, EVEN=n % config.block_n == 0 and k % config.block_k == 0, USE_INT64=n * k > 2**31 - 1,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -383,11 +385,16 @@ def _require(condition, message):
 
 
 def _fused_supported(blocksize, k, x):
-    """Whether the fused kernel reads this layout: whole int32 words within one block per row (a
-    packed view off a 4-byte boundary is copied at launch), and on sm_75 no bf16 tensor-core
-    product (the FMA form would serve one row; such calls take dequantize + matmul)."""
-    return (blocksize >= 8 and k % blocksize == 0
-            and (INTERPRET or x.dtype is not torch.bfloat16 or torch.cuda.get_device_capability(x.device) >= (8, 0)))
+    """Whether the fused kernel reads this layout (whole int32 words within one block per row; a
+    packed view off a 4-byte boundary is copied at launch) on this GPU: sm_75 has no bf16
+    tensor-core product, and Triton before 3.4 fails to compile its fp16 dot there. Elsewhere
+    nf4_linear dequantizes."""
+    if INTERPRET or torch.cuda.get_device_capability(x.device) >= (8, 0):
+        return blocksize >= 8 and k % blocksize == 0
+    return blocksize >= 8 and k % blocksize == 0 and x.dtype is not torch.bfloat16 and SM75_COMPILES
+
+
+SM75_COMPILES = kernel.TRITON_COMPILES_SHARED_TABLES  # both from Triton 3.4 (3.3.1 aborts in its LLVM lowering)
 
 
 def nf4_linear(x, weight, quant_state=None, bias=None):

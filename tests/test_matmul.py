@@ -208,6 +208,28 @@ def test_nf4_linear_in_torch_compile_one_graph():
     assert torch.equal(compiled(x), matmul.nf4_linear(x, packed, state))
 
 
+@pytest.mark.long
+@pytest.mark.parametrize("cc", [75, 80, 86, 89, 90])
+def test_routes_compile_ahead_of_time(cc):
+    """Every fused route's configuration compiles for the GPUs it names (K = 4096), with the decode's
+    multiply in inline PTX and the product on tensor cores from sm_80 (wgmma where a warp group
+    holds 64 weight rows on sm_90, else mma; sm_75 has no bf16 product, its fp16 dot is Triton's)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "aot_compile_matmul.py")
+    done = subprocess.run([sys.executable, script, str(cc)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert lines or (cc < 80 and not matmul.SM75_COMPILES), "no fused route compiled"
+    for line in lines:
+        assert line["asm_mul_ftz"] > 0, line
+        if line["config"][4]:  # a tensor-core tile
+            assert cc < 80 or line["wgmma"] + line["mma"] > 0, line
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_gpu_every_h100_route_within_bound(dtype):

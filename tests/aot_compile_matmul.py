@@ -1,0 +1,71 @@
+"""Compile the fused matmul's route configurations for one GPU target, without a GPU.
+
+Run as ``python tests/aot_compile_matmul.py CC``. Prints one JSON line per variant with the PTX
+facts the tests check. TRITON_INTERPRET=0 so that matmul.py defines compiled kernels on any machine.
+"""
+
+import json
+import os
+import re
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+import kernel  # noqa: E402
+import matmul  # noqa: E402
+
+TL_NAME = {tl.float16: "fp16", tl.bfloat16: "bf16", tl.float32: "fp32"}
+
+
+def variants(capability):
+    """(x dtype, config) for each fused route of this GPU, in every activation dtype it serves there."""
+    if capability < (8, 0) and not matmul.SM75_COMPILES:
+        return  # nf4_linear dequantizes there
+    for route in matmul.MATMUL_ROUTES.get(capability, matmul.DEFAULT_ROUTES):
+        if route.path != "fused":
+            continue
+        for x_dtype in (tl.float16, tl.bfloat16):
+            if x_dtype == tl.bfloat16 and capability < (8, 0):
+                continue  # no bf16 tensor-core product on sm_75: nf4_linear dequantizes there
+            yield x_dtype, route.config
+
+
+def compile_variant(capability, x_dtype, config):
+    fn = matmul.nf4_matmul_kernel
+    name = TL_NAME[x_dtype]
+    signature = {"x_ptr": f"*{name}", "packed_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32",
+                 "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset_ptr": "*fp32", "bias_ptr": f"*{name}",
+                 "out_ptr": f"*{name}" if config.split_k == 1 else "*fp32", "M": "i32", "N": "i32", "K": "i32",
+                 "stride_xm": "i32"}
+    lookup = config.lookup if kernel.TRITON_COMPILES_SHARED_TABLES else 0
+    constexprs = dict(BLOCKSIZE=64, BLOCKSIZE2=256, NESTED=True, FP4=False, X_DTYPE=x_dtype, BLOCK_M=config.block_m,
+                      BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+                      STEPS_PER_SPLIT=4096 // config.block_k // config.split_k, DOT=config.dot,
+                      HAS_BIAS=False, USE_ASM=True, BF16_VIA_INT=capability < (8, 0), LOOKUP=lookup, EVEN=True,
+                      USE_INT64=False)
+    signature.update({key: "constexpr" for key in constexprs})
+    source = triton.compiler.ASTSource(fn=fn, signature={key: signature[key] for key in fn.arg_names},
+                                       constexprs=constexprs)
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    return triton.compile(source, target=target, options={"num_warps": config.num_warps,
+                                                          "num_stages": config.num_stages})
+
+
+def main():
+    cc = int(sys.argv[1])
+    capability = (cc // 10, cc % 10)
+    for x_dtype, config in variants(capability):
+        ptx = compile_variant(capability, x_dtype, config).asm["ptx"]
+        print(json.dumps({"cc": cc, "x_dtype": TL_NAME[x_dtype], "config": list(config),
+                          "asm_mul_ftz": len(re.findall(r"mul\.rn\.ftz\.f32", ptx)),
+                          "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+                          "mma": len(re.findall(r"\bmma\.sync", ptx))}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
