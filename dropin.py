@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import kernel
+import quantstate
 
 __all__ = ["enable", "disable", "is_enabled"]
 
@@ -163,7 +164,7 @@ def _routed_forward(module, dequantize, x, *args, **kwargs):
     compute_x = x if x.dtype is dtype else x.to(dtype)
     if bias is not None and bias.dtype is not dtype:
         bias = bias.to(dtype)
-    packed, quant_state = kernel._resolve(weight, quant_state)
+    packed, quant_state = quantstate.resolve(weight, quant_state)
     if fused:
         y = _bitsandbytes_fused_matmul(compute_x, packed, quant_state, bias)
         if y is None:

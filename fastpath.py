@@ -1,48 +1,88 @@
-"""Launch plans: the per-call fast path of ``kernel.dequantize_nf4``.
+"""The launch layer: how the project's Triton kernels run and how a validated launch is replayed.
+It knows Triton and torch, and nothing of any weight format.
 
-Contract
---------
-What it does. A validated call leaves a plan keyed by ``id(quant_state)``, one per state. The next
-call with that state checks that nothing the launch reads has changed, allocates the output and
-launches the compiled kernel directly, skipping validation and Triton's argument binding. Each call
-checks: the state is the same object; every table (absmax, code, state2's absmax and code, the
-offset) has the address, dtype and size recorded, so a table rebound, ``.data`` replaced, ``set_``
-or ``resize_`` all show; the packed weight has the shape (a leading 1 transposes the result), byte
-count, 16-byte alignment, storage offset, contiguity and device recorded, and its storage still
-holds its bytes (FSDP frees a flat parameter with ``resize_(0)`` under its views); its address is
-taken at launch, so a weight FSDP gathers into new memory every step stays on its plan; the state's
-scalars are equal; no profiler has set Triton launch hooks.
-Anything else returns to the validating path, which replaces the plan. The kernel reads the bytes
-on every call, so a weight re-quantized in place is served fresh. A plan holds no tensor (its
-state holds the tables it checks) and is dropped when its state dies.
+Where kernels run: on CUDA tensors, compiled by Triton; without CUDA, on CPU tensors through
+Triton's interpreter (``INTERPRET``, ``jit``), chosen for the project's kernels alone.
+
+Contract of the launch plans
+----------------------------
+What a plan does. A kernel module's validating call leaves a plan in that module's ``PlanCache``,
+keyed by ``id`` of the object the plan watches (a quant state) and dropped when that object dies.
+A later call that the plan ``matches`` (a subclass's rule: nothing the launch reads has changed)
+allocates the output and launches the compiled kernel directly, skipping validation and Triton's
+argument binding. The address of the call's first input is taken at launch, so bytes gathered
+into new memory every step (FSDP) stay on their plan. A plan holds no tensor. A call the plan does
+not match takes the validating path, which replaces the plan.
 
 What it relies on. In Triton: a compiled kernel's ``run``, ``function`` and ``packed_metadata``;
 the launcher's C ``launch`` and its forwarding call, replayed with a stand-in ``self`` to record
 what it forwards (``kernel_launcher``); the launch hooks of Triton 3.3 (``CompiledKernel``
-attributes) and of 3.4 on (``triton.knobs.runtime``). In torch: ``torch._C._cuda_getDevice``,
-``_cuda_setDevice`` and ``_cuda_getCurrentRawStream``, and Inductor's allocation entry
-``torch._C._dynamo.guards._empty_strided_cuda`` (``torch.empty_strided`` where it is missing).
+attributes) and of 3.4 on (``triton.knobs.runtime``); the interpreter's ``InterpretedFunction``.
+In torch: ``torch._C._cuda_getDevice``, ``_cuda_setDevice`` and ``_cuda_getCurrentRawStream``, and
+Inductor's allocation entry ``torch._C._dynamo.guards._empty_strided_cuda`` (``torch.empty_strided``
+where it is missing).
 
 Where it ran. On an H100 under Triton 3.3.1, 3.4.0, 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0 with
 torch 2.11 (README, Triton versions); FSDP1 on two H200s.
 
 How it falls back. A launcher whose call is not one plain forwarding call (scratch buffers made
-per call, an unknown shape) keeps Triton's own launcher; a plan is not made while launch hooks are
-set. ``NF4_TRITON_PLANS=0`` in the environment, read at import, turns plans off: every call
-validates and launches through Triton.
+per call, an unknown shape) keeps Triton's own launcher; no plan watches an object without
+weakrefs, nor is made while launch hooks are set. ``NF4_TRITON_PLANS=0`` in the environment, read
+at import, turns plans off: none is kept, every call validates and launches through Triton.
 """
 
+import ctypes
 import os
+import threading
 import weakref
 
 import torch
 import triton
 
-__all__ = ["ENABLED", "PLANS", "LaunchPlan", "kernel_launcher", "launch_hooks_active", "stats"]
+__all__ = ["INTERPRET", "ENABLED", "jit", "interpret", "device_facts", "launch_hooks_active", "kernel_launcher",
+           "interpreter_launcher", "can_watch", "LaunchPlan", "PlanCache"]
 
+# Without CUDA, CPU tensors through Triton's interpreter, chosen here for the project's kernels
+# alone: TRITON_INTERPRET is read, never set, so other Triton code in the process is left as the
+# user configured it (TRITON_INTERPRET=1 or 0 still forces either).
+_INTERPRET_ENV = os.environ.get("TRITON_INTERPRET")
+INTERPRET = (_INTERPRET_ENV not in ("", "0")) if _INTERPRET_ENV is not None else not torch.cuda.is_available()
 ENABLED = os.environ.get("NF4_TRITON_PLANS", "1") != "0"
-PLANS = {}  # id(quant_state) -> LaunchPlan
-_kept = 0  # plans kept since import: the validating calls that left one
+
+
+def jit(fn):
+    """``triton.jit``, or Triton's interpreter for ``fn`` when INTERPRET."""
+    if INTERPRET:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(fn)
+    return triton.jit(fn)
+
+
+# Triton's interpreter keeps the grid and the program index process-wide: one launch at a time.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def interpret(kernel, grid, args, options):
+    """``kernel[grid](*args, **options)`` through Triton's interpreter (CPU tensors), one launch at a time."""
+    with _INTERPRETER_LOCK:
+        kernel[grid](*args, **options)
+
+
+_DEVICE_FACTS = {}
+
+
+def device_facts(device=None):
+    """(compute capability, L2 bytes) of a CUDA device (default: the current one); ((0, 0), 0)
+    without one."""
+    if INTERPRET or not torch.cuda.is_available():
+        return (0, 0), 0
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    if index not in _DEVICE_FACTS:
+        properties = torch.cuda.get_device_properties(index)
+        _DEVICE_FACTS[index] = (properties.major, properties.minor), properties.L2_cache_size
+    return _DEVICE_FACTS[index]
+
 
 # Inductor's allocation entry: an empty CUDA tensor on the current device, past torch.empty's
 # dispatcher (2.1 against 5.0 us per call on the H100 host, NOTES.md item 57).
@@ -51,11 +91,6 @@ try:
 except ImportError:
     def _empty_cuda(size, strides, dtype):
         return torch.empty_strided(size, strides, dtype=dtype, device="cuda")
-
-
-def stats():
-    """{"live": plans alive now, "kept": plans kept since import (one per validating call that left one)}."""
-    return {"live": len(PLANS), "kept": _kept}
 
 
 if hasattr(triton, "knobs"):  # Triton >= 3.4: the hooks are HookChain objects (or a function)
@@ -72,101 +107,9 @@ else:  # Triton 3.3: plain attributes of CompiledKernel, None when unset
         return compiled_kernel.launch_enter_hook is not None or compiled_kernel.launch_exit_hook is not None
 
 
-def _drop_plan(plans, key, plan_ref):
-    """A state died: forget its plan, unless a newer state already took the key."""
-    plan = plans.get(key)
-    if plan is not None and plan is plan_ref():
-        del plans[key]
-
-
-class LaunchPlan:
-    """One validated launch, replayed for the same quant state while nothing it reads has changed."""
-
-    __slots__ = ("key", "state_ref", "device", "device_index", "dtype", "size", "strides", "facts", "nested",
-                 "nested_facts", "offset", "storage_bytes", "transpose", "launch_kernel", "__weakref__")
-
-    def __init__(self, packed, qs, shape, blocksize, blocksize2, nested, transpose, tables, launch_kernel):
-        """``tables``: (absmax, code, absmax2, code2, offset) as launched; ``launch_kernel(stream,
-        packed_ptr, out_ptr)`` launches the validated call's kernel again."""
-        self.key = id(qs)
-        # The callback's globals are bound now: at interpreter exit a state may die after this
-        # module's globals are gone.
-        self.state_ref = weakref.ref(qs, lambda _, key=self.key, plan=weakref.ref(self), drop=_drop_plan,  # noqa: B008
-                                     plans=PLANS: drop(plans, key, plan))
-        # The packed bytes may move: any address of the same 16-byte alignment, on which Triton
-        # specialized the kernel and the word loads depend. Read as bytes, whatever dtype stores them.
-        self.device, self.device_index = packed.device, packed.device.index
-        self.dtype, self.nested = qs.dtype, nested
-        self.size, self.strides = tuple(shape), torch.empty(shape, device="meta").stride()  # contiguous
-        # What `matches` compares, in its order: the packed weight's alignment, shape (a leading 1
-        # transposes the result), byte count, place in its storage, contiguity and device (-1: the
-        # CPU); the state's fields; (address, dtype, size) of each table as launched.
-        absmax, code, absmax2, code2, offset = tables
-        self.facts = (packed.data_ptr() % 16, packed.shape, packed.nbytes, packed.storage_offset(), True,
-                      packed.get_device(), qs.dtype, shape, blocksize, qs.quant_type, nested,
-                      absmax.data_ptr(), absmax.dtype, absmax.numel(), code.data_ptr(), code.dtype, code.numel())
-        self.nested_facts = ((blocksize2, absmax2.data_ptr(), absmax2.dtype, absmax2.numel(),
-                              code2.data_ptr(), code2.dtype, code2.numel()) if nested else None)
-        # An offset given as a float: its value; as a tensor: its (address, dtype, size).
-        self.offset = ((offset.data_ptr(), offset.dtype, offset.numel()) if isinstance(qs.offset, torch.Tensor)
-                       else qs.offset) if nested else None
-        # The storage must still hold the bytes: FSDP frees a flat parameter with `resize_(0)` under
-        # the views it hands out, and any storage can be resized smaller under a view.
-        self.storage_bytes = packed.storage_offset() * packed.element_size() + packed.nbytes
-        self.transpose, self.launch_kernel = transpose, launch_kernel
-
-    def keep(self):
-        """Serve later calls with this plan's state from it."""
-        global _kept
-        PLANS[self.key] = self
-        _kept += 1
-
-    def matches(self, packed, qs):
-        """Whether this plan's launch is the validated call's for (packed, qs)."""
-        try:
-            absmax, code = qs.absmax, qs.code
-            if (self.state_ref() is not qs
-                    or (packed.data_ptr() % 16, packed.shape, packed.nbytes, packed.storage_offset(),
-                        packed.is_contiguous(), packed.get_device(), qs.dtype, qs.shape, qs.blocksize,
-                        qs.quant_type, qs.nested, absmax.data_ptr(), absmax.dtype, absmax.numel(),
-                        code.data_ptr(), code.dtype, code.numel()) != self.facts
-                    or packed.untyped_storage().nbytes() < self.storage_bytes
-                    or (self.device_index is None and not packed.is_cpu)  # get_device() is -1 for meta too
-                    or launch_hooks_active()):
-                return False
-            if not self.nested:
-                return True
-            state2, offset = qs.state2, qs.offset
-            absmax2, code2 = state2.absmax, state2.code
-            if (state2.blocksize, absmax2.data_ptr(), absmax2.dtype, absmax2.numel(),
-                    code2.data_ptr(), code2.dtype, code2.numel()) != self.nested_facts:
-                return False
-            if isinstance(offset, torch.Tensor):
-                return (offset.data_ptr(), offset.dtype, offset.numel()) == self.offset
-            return offset == self.offset  # given as a number (a tuple recorded never equals one)
-        except (AttributeError, RuntimeError):  # a field gone, or a tensor with no storage (sparse, meta)
-            return False
-
-    def launch(self, packed):
-        """The dequantized weight of ``packed`` (the bytes ``matches`` accepted), in a new tensor."""
-        index, packed_ptr = self.device_index, packed.data_ptr()
-        if index is None:  # CPU tensors: the interpreter
-            out = torch.empty(size=self.size, dtype=self.dtype, device=self.device)
-            self.launch_kernel(0, packed_ptr, out.data_ptr())
-        elif torch._C._cuda_getDevice() == index:
-            out = _empty_cuda(self.size, self.strides, self.dtype)
-            self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), packed_ptr, out.data_ptr())
-        else:  # Triton launches, and the allocator allocates, on the current device
-            current = torch._C._cuda_getDevice()
-            torch._C._cuda_setDevice(index)
-            try:
-                out = _empty_cuda(self.size, self.strides, self.dtype)
-                self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), packed_ptr, out.data_ptr())
-            finally:
-                torch._C._cuda_setDevice(current)
-        return out.t() if self.transpose else out
-
-
+# --------------------------------------------------------------------------------------------
+# Launching again: f(stream, input_ptr, out_ptr)
+# --------------------------------------------------------------------------------------------
 class _LaunchRecorder:
     """Stands in for a Triton launcher while the launcher's own ``__call__`` runs: records what it
     passes to its C launch function instead of launching (the launcher itself, shared by every
@@ -181,37 +124,6 @@ class _LaunchRecorder:
 
     def launch(self, *args):
         self._forwarded.append(args)
-
-
-def kernel_launcher(compiled, grid, head, tail, stream, packed_ptr, out_ptr):
-    """f(stream, packed_ptr, out_ptr): launches ``compiled`` on ``grid`` with the arguments
-    ``packed_ptr``, ``head``, ``out_ptr``, ``tail`` (integers), through Triton's C launch function
-    directly where that is safe.
-
-    Triton's Python launcher (``compiled.run``) prepares scratch buffers per call and then calls
-    its C launch function; with no scratch buffers its call is a plain forwarding call, so the
-    arguments it forwards are recorded here and passed straight on (NOTES.md, item 33). Any other
-    shape of call keeps Triton's launcher. ``stream``, ``packed_ptr`` and ``out_ptr`` are those of a
-    launch just made: the recording runs the launcher's Python with them, so a launcher that
-    launched by some other route would only repeat that launch."""
-    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-    direct = _direct_launch(run, grid, function, metadata, (packed_ptr,) + head + (out_ptr,) + tail, stream)
-    if direct is None:
-        def via_triton(stream, packed_ptr, out_ptr):
-            run(grid, 1, 1, stream, function, metadata, None, None, None, packed_ptr, *head, out_ptr, *tail)
-
-        return via_triton
-    launch, extras, as_tuple = direct
-    if as_tuple:  # Triton 3.7 to 3.9: the kernel's arguments as one tuple
-        def direct_as_tuple(stream, packed_ptr, out_ptr):
-            launch(grid, 1, 1, stream, function, *extras, (packed_ptr, *head, out_ptr, *tail))
-
-        return direct_as_tuple
-
-    def direct(stream, packed_ptr, out_ptr):  # Triton 3.3 to 3.6: the kernel's arguments spread out
-        launch(grid, 1, 1, stream, function, *extras, packed_ptr, *head, out_ptr, *tail)
-
-    return direct
 
 
 def _direct_launch(run, grid, function, metadata, args, stream):
@@ -243,3 +155,133 @@ def _direct_launch(run, grid, function, metadata, args, stream):
                                             for a, b in zip(first, second)):
         return None
     return launch, first, as_tuple
+
+
+def kernel_launcher(compiled, grid, head, tail, stream, input_ptr, out_ptr):
+    """f(stream, input_ptr, out_ptr): launches ``compiled`` on ``grid`` with the arguments
+    ``input_ptr``, ``head``, ``out_ptr``, ``tail`` (integers), through Triton's C launch function
+    directly where that is safe.
+
+    Triton's Python launcher (``compiled.run``) prepares scratch buffers per call and then calls
+    its C launch function; with no scratch buffers its call is a plain forwarding call, so the
+    arguments it forwards are recorded here and passed straight on (NOTES.md, item 33). Any other
+    shape of call keeps Triton's launcher. ``stream``, ``input_ptr`` and ``out_ptr`` are those of a
+    launch just made: the recording runs the launcher's Python with them, so a launcher that
+    launched by some other route would only repeat that launch."""
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    direct = _direct_launch(run, grid, function, metadata, (input_ptr,) + head + (out_ptr,) + tail, stream)
+    if direct is None:
+        def via_triton(stream, input_ptr, out_ptr):
+            run(grid, 1, 1, stream, function, metadata, None, None, None, input_ptr, *head, out_ptr, *tail)
+
+        return via_triton
+    launch, extras, as_tuple = direct
+    if as_tuple:  # Triton 3.7 to 3.9: the kernel's arguments as one tuple
+        def direct_as_tuple(stream, input_ptr, out_ptr):
+            launch(grid, 1, 1, stream, function, *extras, (input_ptr, *head, out_ptr, *tail))
+
+        return direct_as_tuple
+
+    def direct(stream, input_ptr, out_ptr):  # Triton 3.3 to 3.6: the kernel's arguments spread out
+        launch(grid, 1, 1, stream, function, *extras, input_ptr, *head, out_ptr, *tail)
+
+    return direct
+
+
+def _at_address(address, dtype, numel):
+    """A CPU tensor over ``numel`` elements of ``dtype`` at ``address``."""
+    memory = (ctypes.c_char * (numel * dtype.itemsize)).from_address(address)
+    return torch.frombuffer(memory, dtype=dtype, count=numel)
+
+
+def interpreter_launcher(kernel, grid, args, out_at, options):
+    """f(stream, input_ptr, out_ptr) for CPU tensors, like ``kernel_launcher`` on the GPU: the
+    interpreter's ``kernel`` over the addresses of ``args`` recorded now (wrapped as tensors again,
+    as the GPU's launch passes them), its first argument and argument ``out_at`` where given."""
+    recorded = [(arg.data_ptr(), arg.dtype, arg.numel()) if isinstance(arg, torch.Tensor) else None for arg in args]
+    values = [None if place else arg for arg, place in zip(args, recorded)]
+
+    def launch_kernel(stream, input_ptr, out_ptr):
+        addresses = {0: input_ptr, out_at: out_ptr}
+        interpret(kernel, grid, [value if place is None else _at_address(addresses.get(at, place[0]), *place[1:])
+                                 for at, (value, place) in enumerate(zip(values, recorded))], options)
+
+    return launch_kernel
+
+
+# --------------------------------------------------------------------------------------------
+# Launch plans
+# --------------------------------------------------------------------------------------------
+def can_watch(watched):
+    """Whether a plan can watch this object now: it takes weakrefs, and no profiler set launch hooks."""
+    return hasattr(type(watched), "__weakref__") and not launch_hooks_active()
+
+
+class LaunchPlan:
+    """One validated launch, replayed into a new output while the subclass's ``matches(first,
+    watched)`` holds for a call's first input and watched object."""
+
+    __slots__ = ("key", "state_ref", "device", "device_index", "dtype", "size", "strides", "transpose",
+                 "launch_kernel", "__weakref__")
+
+    def __init__(self, cache, watched, out, transpose, launch_kernel):
+        """``cache``: the PlanCache that drops this plan when ``watched`` dies; ``out``: the validated
+        call's (contiguous) output, whose shape, dtype and device each launch allocates, returned
+        transposed where ``transpose``; ``launch_kernel(stream, input_ptr, out_ptr)`` launches the
+        validated call's kernel again."""
+        self.key = id(watched)
+        # The callback is bound now: at interpreter exit an object may die after the modules' globals.
+        self.state_ref = weakref.ref(watched, lambda _, key=self.key, plan=weakref.ref(self), drop=cache.drop:  # noqa: B008
+                                     drop(key, plan))
+        self.device, self.device_index = out.device, out.device.index
+        self.dtype, self.size, self.strides = out.dtype, tuple(out.shape), out.stride()
+        self.transpose, self.launch_kernel = transpose, launch_kernel
+
+    def launch(self, first):
+        """The launch's result for ``first`` (where ``matches`` accepted it), in a new tensor."""
+        index, input_ptr = self.device_index, first.data_ptr()
+        if index is None:  # CPU tensors: the interpreter
+            out = torch.empty(size=self.size, dtype=self.dtype, device=self.device)
+            self.launch_kernel(0, input_ptr, out.data_ptr())
+        elif torch._C._cuda_getDevice() == index:
+            out = _empty_cuda(self.size, self.strides, self.dtype)
+            self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), input_ptr, out.data_ptr())
+        else:  # Triton launches, and the allocator allocates, on the current device
+            current = torch._C._cuda_getDevice()
+            torch._C._cuda_setDevice(index)
+            try:
+                out = _empty_cuda(self.size, self.strides, self.dtype)
+                self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), input_ptr, out.data_ptr())
+            finally:
+                torch._C._cuda_setDevice(current)
+        return out.t() if self.transpose else out
+
+
+class PlanCache(dict):
+    """One kernel module's plans, by ``id`` of the object each watches. Its module keeps and clears
+    them; others read. Under ``NF4_TRITON_PLANS=0`` none is kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept = 0  # plans kept since import: the validating calls that left one
+
+    def serve(self, first, watched):
+        """The result of the plan for ``watched`` where it matches this call, else None."""
+        plan = self.get(id(watched))
+        return plan.launch(first) if plan is not None and plan.matches(first, watched) else None
+
+    def keep(self, plan):
+        """Serve later calls for the plan's watched object from it."""
+        if ENABLED:
+            self[plan.key] = plan
+            self.kept += 1
+
+    def drop(self, key, plan_ref):
+        """A watched object died: forget its plan, unless a newer object already took the key."""
+        plan = self.get(key)
+        if plan is not None and plan is plan_ref():
+            del self[key]
+
+    def stats(self):
+        """{"live": plans alive now, "kept": plans kept since import (one per validating call that left one)}."""
+        return {"live": len(self), "kept": self.kept}

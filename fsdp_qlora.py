@@ -27,7 +27,6 @@ import torch
 import bench_results
 import bench_timing
 import dropin
-import fastpath
 import kernel
 import modelbench
 
@@ -101,9 +100,9 @@ class CheckedDequantize:
 
     def __call__(self, packed, quant_state):
         self.calls += 1
-        kept = fastpath.stats()["kept"]
+        kept = kernel.PLANS.stats()["kept"]
         got = kernel.dequantize_nf4(packed, quant_state)
-        plans = fastpath.stats()
+        plans = kernel.PLANS.stats()
         self.misses += plans["kept"] - kept
         self.most_plans = max(self.most_plans, plans["live"])
         expected = kernel.dequantize_nf4(packed, quant_state, out=torch.empty(got.shape, dtype=got.dtype, device=got.device))
@@ -192,7 +191,7 @@ def train(folder, contender, steps, rank, world, plan_steps=0, flavour=1):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         record.update(plan_calls=checked.calls, plan_misses=checked.misses, stale_results=checked.stale,
-                      most_live_plans=checked.most_plans, live_plans_after=fastpath.stats()["live"])
+                      most_live_plans=checked.most_plans, live_plans_after=kernel.PLANS.stats()["live"])
     del model, optimizer
     gc.collect()  # the model's reference cycles, before the next run's peak is measured
     torch.cuda.empty_cache()

@@ -212,9 +212,9 @@ print(inspect.getsource(kernel.dequantize_4bit_kernel.fn))"""),
 - *bf16.* Where the GPU cannot convert fp32 to bf16 (sm_75) the kernel rounds to nearest even
   with integer operations.
 - *Launch path.* The first call validates the weight and its quant state and leaves a *launch
-  plan* (compiled kernel, grid, the tables' addresses; `fastpath.py`); later calls with the same
-  state check the address, dtype and size of every table the launch reads and call Triton's C
-  launch function directly. The output is the only allocation."""),
+  plan* (compiled kernel, grid, the tables' addresses); later calls with the same state check the
+  address, dtype and size of every table the launch reads (`quantstate.py`) and call Triton's C
+  launch function directly (`fastpath.py`). The output is the only allocation."""),
     ("code", "launch-choice", r"""device_capability, l2_bytes = kernel.device_facts()  # ((0, 0), 0) without a GPU
 variant = kernel.kernel_variant(DTYPE, nested=True, capability=device_capability, l2_bytes=l2_bytes)
 print("constexprs for this GPU:", variant)

@@ -7,7 +7,6 @@ import torch
 
 import bench_contenders
 import bench_harness
-import fastpath
 import kernel
 from helpers import assert_bit_exact, bnb_dequantize, quantize
 
@@ -32,7 +31,7 @@ def test_every_variant(shape, dtype, bf16_via_int, nested, quant_type, use_asm, 
     packed, state = quantize(shape, dtype=dtype, nested=nested, quant_type=quant_type, device="cuda",
                              seed=shape[0])
     overrides = dict(WORD_LOADS=False) if byte_loads else {}
-    got = kernel._dequantize(packed, state, None, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int, **overrides)
+    got = kernel.validate_and_dequantize(packed, state, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int, **overrides)
     assert_bit_exact(got, bnb_dequantize(packed, state))
 
 
@@ -54,7 +53,7 @@ def test_shared_tables(tile, shape, byte_loads, dtype, nested, quant_type):
         pytest.skip("this Triton cannot compile the shared-memory lookup")
     packed, state = quantize(shape, dtype=dtype, nested=nested, quant_type=quant_type, device="cuda", seed=tile[0])
     overrides = dict(WORD_LOADS=False) if byte_loads else {}
-    got = kernel._dequantize(packed, state, None, SHARED_TABLES=True, BYTES_PER_PROGRAM=tile[0], num_warps=tile[1],
+    got = kernel.validate_and_dequantize(packed, state, SHARED_TABLES=True, BYTES_PER_PROGRAM=tile[0], num_warps=tile[1],
                              **overrides)
     assert_bit_exact(got, bnb_dequantize(packed, state))
 
@@ -120,7 +119,7 @@ def test_more_than_2_pow_31_elements():
     # The plan's path too: the validating call, then the plan's (same bits as through out=).
     for _ in range(2):
         assert torch.equal(kernel.dequantize_nf4(packed, state).view(torch.int16), got.view(torch.int16))
-    assert fastpath.PLANS.get(id(state)) is not None
+    assert kernel.PLANS.get(id(state)) is not None
 
 
 def test_caller_stream():

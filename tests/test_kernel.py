@@ -70,7 +70,7 @@ def test_packed_alignment(start, device):
     """Word loads only where the packed bytes start on a 4-byte boundary; bytes elsewhere."""
     packed, state = quantize((32, 256), device=device, seed=13)
     view = offset_copy(packed, start)
-    assert kernel._word_aligned(view) == (start % 4 == 0)
+    assert kernel.word_aligned(view) == (start % 4 == 0)
     check(view, state)
 
 
@@ -78,8 +78,8 @@ def test_byte_loads_forced(device):
     """The byte-load path on a weight the word path would take gives the same bits."""
     packed, state = quantize((64, 4096), dtype=torch.bfloat16, device=device, seed=14)
     expected = bnb_dequantize(packed, state)
-    assert_bit_exact(kernel._dequantize(packed, state, None, WORD_LOADS=False), expected)
-    assert_bit_exact(kernel._dequantize(packed, state, None, WORD_LOADS=True), expected)
+    assert_bit_exact(kernel.validate_and_dequantize(packed, state, WORD_LOADS=False), expected)
+    assert_bit_exact(kernel.validate_and_dequantize(packed, state, WORD_LOADS=True), expected)
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
@@ -93,8 +93,8 @@ def test_shared_tables_forced(word_loads, nested, quant_type, device):
     packed, state = quantize((16, 4096 + 64), dtype=torch.float16, nested=nested, quant_type=quant_type,
                              device=device, seed=15)
     expected = bnb_dequantize(packed, state)
-    assert_bit_exact(kernel._dequantize(packed, state, None, SHARED_TABLES=True, WORD_LOADS=word_loads), expected)
-    assert_bit_exact(kernel._dequantize(packed, state, None, SHARED_TABLES=False, WORD_LOADS=word_loads), expected)
+    assert_bit_exact(kernel.validate_and_dequantize(packed, state, SHARED_TABLES=True, WORD_LOADS=word_loads), expected)
+    assert_bit_exact(kernel.validate_and_dequantize(packed, state, SHARED_TABLES=False, WORD_LOADS=word_loads), expected)
 
 
 def test_kernel_args_are_the_kernels_arguments():
@@ -169,7 +169,7 @@ def test_module_and_params(device):
     expected = bnb_dequantize(layer.weight.data, layer.weight.quant_state)
     for got in (kernel.dequantize_nf4(layer), kernel.dequantize_nf4(layer.weight),
                 kernel.your_dequantize_nf4(layer),
-                kernel._your_dequantize_nf4(layer.weight.data, layer.weight.quant_state)):
+                kernel.dequantize_nf4(layer.weight.data, layer.weight.quant_state)):
         assert_bit_exact(got, expected)
 
 
@@ -181,7 +181,7 @@ def test_entry_point_on_params4bit(device):
     before = snapshot(packed, state)
     assert_bit_exact(kernel.your_dequantize_nf4(layer), expected_values(packed, state))
     assert_bit_exact(kernel.your_dequantize_nf4(layer),
-                     kernel._your_dequantize_nf4(layer.weight.data, layer.weight.quant_state))
+                     kernel.dequantize_nf4(layer.weight.data, layer.weight.quant_state))
     assert_unchanged(packed, state, before)
     assert torch._C._is_torch_function_enabled()
 

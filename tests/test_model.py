@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dropin
-import fastpath
+import kernel
 import modelbench
 
 pytestmark = pytest.mark.gpu
@@ -35,11 +35,11 @@ def logits_and_fast_path(model):
     with torch.inference_mode():
         expected = model(ids).logits
         assert dropin.enable(model) == layers
-        kept = fastpath.stats()["kept"]
+        kept = kernel.PLANS.stats()["kept"]
         model(ids)
-        assert fastpath.stats()["kept"] - kept == layers
+        assert kernel.PLANS.stats()["kept"] - kept == layers
         got = model(ids).logits
-        assert fastpath.stats()["kept"] - kept == layers, "a layer missed its plan"
+        assert kernel.PLANS.stats()["kept"] - kept == layers, "a layer missed its plan"
     dropin.disable(model)
     return expected, got
 

@@ -14,14 +14,14 @@ import weakref
 import pytest
 import torch
 
-import fastpath
 import kernel
+import quantstate
 from helpers import assert_bit_exact, bit_exact, expected_values, failures_in_threads, linear4bit, offset_copy, quantize
 from reference import dequantize_reference
 
 
 def plan_of(state):
-    return fastpath.PLANS.get(id(state))
+    return kernel.PLANS.get(id(state))
 
 
 def planned(packed, state):
@@ -69,7 +69,7 @@ def test_every_call_form_uses_the_plan(form, device, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the validating path ran: the plan was missed")
 
-    monkeypatch.setattr(kernel, "_dequantize", refuse)
+    monkeypatch.setattr(kernel, "validate_and_dequantize", refuse)
     assert_bit_exact(call(layer), expected)
     assert plan_of(state) is plan
 
@@ -115,7 +115,7 @@ def test_plan_follows_packed_bytes_that_move(device, monkeypatch):
     moved = packed.clone()
     assert moved.data_ptr() != packed.data_ptr() and moved.data_ptr() % 16 == packed.data_ptr() % 16
     with monkeypatch.context() as patch:
-        patch.setattr(kernel, "_dequantize", lambda *args, **kwargs: pytest.fail("the plan was not used"))
+        patch.setattr(kernel, "validate_and_dequantize", lambda *args, **kwargs: pytest.fail("the plan was not used"))
         assert_bit_exact(kernel.dequantize_nf4(moved, state), expected_values(packed, state))
         moved.copy_(quantize((128, 256), device=device, seed=34)[0])
         assert_bit_exact(kernel.dequantize_nf4(moved, state), expected_values(moved, state))
@@ -282,13 +282,13 @@ def test_known_bad_plan_checks_are_caught(change, device, monkeypatch):
     """Known-bad: a plan that checks who it holds, not what it reads, serves a stale result (or
     no error) for every change above, so each of those tests can fail."""
     if change == "table-storage":
-        monkeypatch.setattr(fastpath.LaunchPlan, "matches", scalars_only)
+        monkeypatch.setattr(quantstate.WeightPlan, "matches", scalars_only)
         packed, state = quantize((256, 320), device=device, seed=40)
         planned(packed, state)
         state.absmax.data = state.absmax.flip(0)
         assert not bit_exact(kernel.dequantize_nf4(packed, state), dequantize_reference(packed, state))
         return
-    monkeypatch.setattr(fastpath.LaunchPlan, "matches", state_identity_only)
+    monkeypatch.setattr(quantstate.WeightPlan, "matches", state_identity_only)
     if change in INVALIDATING_CHANGES:
         packed, state = _invalidated_after_plan(change, device)
         kernel.dequantize_nf4(packed, state)  # no error: the stale plan answered
@@ -327,13 +327,13 @@ def test_one_plan_per_state_when_a_weight_moves(device):
     replaced, never added to, and holds none of the tensors it was made with."""
     packed, state = quantize((128, 128), device=device, seed=43)
     planned(packed, state)
-    plans_before = len(fastpath.PLANS)
+    plans_before = len(kernel.PLANS)
     old_tables = [weakref.ref(state.absmax), weakref.ref(state.state2.absmax)]
     for _ in range(5):
         packed = packed.clone()
         state.absmax, state.state2.absmax = state.absmax.clone(), state.state2.absmax.clone()
         assert_bit_exact(kernel.dequantize_nf4(packed, state), expected_values(packed, state))
-    assert len(fastpath.PLANS) == plans_before
+    assert len(kernel.PLANS) == plans_before
     gc.collect()
     assert all(ref() is None for ref in old_tables), "a plan kept a replaced table alive"
 
@@ -342,10 +342,10 @@ def test_plan_dropped_with_its_state(device):
     packed, state = quantize((64, 64), device=device, seed=18)
     planned(packed, state)
     key = id(state)
-    assert key in fastpath.PLANS
+    assert key in kernel.PLANS
     del state
     gc.collect()
-    assert key not in fastpath.PLANS
+    assert key not in kernel.PLANS
 
 
 def test_state_without_dict_gets_no_plan(device):
@@ -372,10 +372,10 @@ def test_plan_with_float_offset(device):
         junk = [torch.randn(1024, device=device) for _ in range(8)]  # reuse freed blocks
         assert_bit_exact(kernel.dequantize_nf4(packed, state), expected)
         del junk
-    offset_tensor = kernel._offset_tensor(state, state.offset, packed.device)
+    offset_tensor = quantstate.offset_tensor(state, state.offset, packed.device)
     kernel.set_launch_config()  # drops every plan
     gc.collect()
-    assert kernel._offset_tensor(state, state.offset, packed.device) is offset_tensor
+    assert quantstate.offset_tensor(state, state.offset, packed.device) is offset_tensor
     state.offset += 0.5  # another value: another tensor, and the plan sees it
     assert_bit_exact(kernel.dequantize_nf4(packed, state), expected_values(packed, state))
 
@@ -384,15 +384,15 @@ def test_float_offsets_freed_with_their_states(device):
     """The tensor made for a float offset lives as long as its state: 20 states that came and went,
     each with its own float offset, leave none behind."""
     packed, state = quantize((64, 64), device=device, seed=46)
-    gc.collect()
-    held = len(kernel._OFFSETS)
+    offset_tensors = []
     for step in range(20):
         twin = copy.copy(state)
         twin.offset = float(state.offset) + step / 64
         assert_bit_exact(kernel.dequantize_nf4(packed, twin), expected_values(packed, twin))
+        offset_tensors.append(weakref.ref(quantstate.offset_tensor(twin, twin.offset, packed.device)))
     del twin
     gc.collect()
-    assert len(kernel._OFFSETS) <= held
+    assert all(ref() is None for ref in offset_tensors)
 
 
 def test_float_offset_one_tensor_for_two_threads(device, monkeypatch):
@@ -405,11 +405,11 @@ def test_float_offset_one_tensor_for_two_threads(device, monkeypatch):
         time.sleep(0.2)
         return weakref.ref(*args)
 
-    monkeypatch.setattr(kernel, "weakref", types.SimpleNamespace(ref=slow_ref))
+    monkeypatch.setattr(quantstate, "weakref", types.SimpleNamespace(ref=slow_ref))
     tensors = [None, None]
 
     def work(i):
-        tensors[i] = kernel._offset_tensor(state, 0.25, torch.device(device))
+        tensors[i] = quantstate.offset_tensor(state, 0.25, torch.device(device))
 
     assert not failures_in_threads(work, 2)
     assert tensors[0] is tensors[1]
@@ -443,7 +443,7 @@ def test_interpreter_threads_of_different_shapes():
 
     def work(i):
         for call in range(4):
-            got = kernel.dequantize_nf4(*weights[i]) if call % 2 else kernel._dequantize(*weights[i], None)
+            got = kernel.dequantize_nf4(*weights[i]) if call % 2 else kernel.validate_and_dequantize(*weights[i])
             if not bit_exact(got, expected[i]):
                 return "wrong values"
 
@@ -478,13 +478,14 @@ packed, state = quantize((33, 130), dtype=torch.bfloat16, device=device)
 outs = [kernel.dequantize_nf4(packed, state) for _ in range(3)]
 if all(torch.equal(out.view(torch.int16), expected_values(packed, state).view(torch.int16)) for out in outs):
     print("exact with plans off")
-if not fastpath.ENABLED and not fastpath.PLANS:
+if not fastpath.ENABLED and not kernel.PLANS:
     print("no plan kept")
 # A kept plan and one that is not, held by the module itself: their state dies while the module's
 # globals are being cleared.
 packed, state = quantize((64, 64), device=device)
 kept = kernel.build_plan(packed, state)
-kept.keep()
+fastpath.ENABLED = True  # plans on again, for one kept plan
+kernel.PLANS.keep(kept)
 kernel._held_until_exit = (packed, state, kept, kernel.build_plan(packed, state))
 print("holding plans until exit")
 """

@@ -13,7 +13,6 @@ import threading
 import pytest
 import torch
 
-import fastpath
 import kernel
 from helpers import assert_bit_exact, bit_exact, bnb_dequantize, expected_values, failures_in_threads, quantize
 from reference import dequantize_reference
@@ -109,9 +108,9 @@ def test_freed_weight_memory_reused():
     memory = torch.empty_like(first_packed).copy_(first_packed)
     kernel.dequantize_nf4(memory, first_state)
     key = id(first_state)
-    assert key in fastpath.PLANS
+    assert key in kernel.PLANS
     del first_packed, first_state
-    assert key not in fastpath.PLANS  # the state's weakref dropped the plan
+    assert key not in kernel.PLANS  # the state's weakref dropped the plan
     packed, state = quantize((256, 256), device="cuda", seed=201)
     memory.copy_(packed)
     assert_bit_exact(kernel.dequantize_nf4(memory, state), bnb_dequantize(packed, state))
@@ -141,7 +140,7 @@ def test_memory_steady_and_peak():
     assert torch.cuda.memory_allocated() == baseline
 
     output_bytes = 1024 * 1024 * 2
-    for call in (lambda: kernel.dequantize_nf4(packed, state), lambda: kernel._dequantize(packed, state, None)):
+    for call in (lambda: kernel.dequantize_nf4(packed, state), lambda: kernel.validate_and_dequantize(packed, state)):
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         result = call()
@@ -252,7 +251,7 @@ def test_special_values(dtype, nested, use_asm):
     packed, state = quantize((64 * 256 + 64, 64), dtype=dtype, nested=nested, device="cuda", seed=210)
     state = special_values_state(state, nested)
     expected = bnb_dequantize(packed, state)
-    assert_bit_exact(kernel._dequantize(packed, state, None, USE_ASM=use_asm), expected)
+    assert_bit_exact(kernel.validate_and_dequantize(packed, state, USE_ASM=use_asm), expected)
     for _ in range(2):
         assert_bit_exact(kernel.dequantize_nf4(packed, state), expected)
 
@@ -319,5 +318,5 @@ def test_launch_hook_added_then_removed(monkeypatch):
     finally:
         remove()
     assert len(seen) == 3
-    monkeypatch.setattr(kernel, "_dequantize", lambda *args, **kwargs: pytest.fail("the plan was not used"))
+    monkeypatch.setattr(kernel, "validate_and_dequantize", lambda *args, **kwargs: pytest.fail("the plan was not used"))
     assert_bit_exact(kernel.dequantize_nf4(packed, state), expected)
