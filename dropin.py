@@ -28,7 +28,8 @@ import torch.nn.functional as F
 import kernel
 import quantstate
 
-__all__ = ["enable", "disable", "is_enabled"]
+__all__ = ["enable", "disable", "is_enabled", "bitsandbytes_forward", "bitsandbytes_rule", "bitsandbytes_fuses",
+           "bitsandbytes_fused_matmul"]
 
 # Where a routed forward sits on a module: `forward`, or `_old_forward`, the forward that Accelerate's
 # hooks (device_map, offloading) save and call, so that a hook stays outside.
@@ -104,13 +105,13 @@ def is_enabled(module):
     return _routed_slot(module) is not None
 
 
-def _bitsandbytes_forward(module, x, *args, **kwargs):
+def bitsandbytes_forward(module, x, *args, **kwargs):
     """bitsandbytes' own forward (the class's: only a Linear4bit whose forward is it is routed)."""
     return type(module).forward(module, x, *args, **kwargs)
 
 
 @functools.cache
-def _bitsandbytes_rule():
+def bitsandbytes_rule():
     """bitsandbytes' choice between its fused 4-bit matmul and dequantize + matmul: (largest row
     count it fuses, f(device index, dtype, rows, out features, in features), the fused op), or None
     where this bitsandbytes has no such rule (its GEMV then serves one row)."""
@@ -122,7 +123,7 @@ def _bitsandbytes_rule():
         return None
 
 
-def _bitsandbytes_fused_kernel(x, dtype, quant_state):
+def bitsandbytes_fuses(x, dtype, quant_state):
     """Whether bitsandbytes computes ``x`` (no gradient, computed in ``dtype``) with its fused
     4-bit matmul rather than by dequantizing: its own rule, calibrated per GPU against its
     dequantize + matmul."""
@@ -130,7 +131,7 @@ def _bitsandbytes_fused_kernel(x, dtype, quant_state):
         return False
     k = x.shape[-1]
     m = x.numel() // k if k else 0
-    rule = _bitsandbytes_rule()
+    rule = bitsandbytes_rule()
     if rule is None:
         return m == 1
     max_rows, fused, _ = rule
@@ -151,24 +152,24 @@ def _routed_forward(module, dequantize, x, *args, **kwargs):
     # bitsandbytes' CPU layout: its forward repacks a CPU weight in place for its AVX512-BF16 kernel
     # on its first inference call, a format only that forward reads, so it computes such a layer.
     if quant_state is None or args or kwargs or (x.is_cpu and getattr(quant_state, "packing_format_for_cpu", False)):
-        return _bitsandbytes_forward(module, x, *args, **kwargs)
+        return bitsandbytes_forward(module, x, *args, **kwargs)
     if not module.compute_type_is_set:  # what bitsandbytes' forward does on its first call
         module.set_compute_type(x)
         module.compute_type_is_set = True
     dtype = module.compute_dtype or x.dtype
     bias = module.bias
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-    fused = not needs_grad and not torch.compiler.is_compiling() and _bitsandbytes_fused_kernel(x, dtype, quant_state)
+    fused = not needs_grad and not torch.compiler.is_compiling() and bitsandbytes_fuses(x, dtype, quant_state)
     if quant_state.dtype is not dtype and not fused:  # bitsandbytes dequantizes straight to x's dtype: one rounding
-        return _bitsandbytes_forward(module, x)
+        return bitsandbytes_forward(module, x)
     compute_x = x if x.dtype is dtype else x.to(dtype)
     if bias is not None and bias.dtype is not dtype:
         bias = bias.to(dtype)
     packed, quant_state = quantstate.resolve(weight, quant_state)
     if fused:
-        y = _bitsandbytes_fused_matmul(compute_x, packed, quant_state, bias)
+        y = bitsandbytes_fused_matmul(compute_x, packed, quant_state, bias)
         if y is None:
-            return _bitsandbytes_forward(module, x)
+            return bitsandbytes_forward(module, x)
         return y if y.dtype is x.dtype else y.to(x.dtype)
     if needs_grad:
         y = _DequantizedLinear.apply(compute_x, packed, quant_state, bias, dequantize)
@@ -184,11 +185,11 @@ def _weight(dequantize, packed, quant_state):
     return weight.t() if packed.shape[0] == 1 else weight
 
 
-def _bitsandbytes_fused_matmul(x, packed, quant_state, bias):
+def bitsandbytes_fused_matmul(x, packed, quant_state, bias):
     """bitsandbytes' fused 4-bit matmul op with the arguments its ``matmul_4bit`` passes for an
     input without gradient (so the same bits), skipping its Linear4bit forward's Python; None
     where that forward must run (no such op, an empty input, a layout it refuses)."""
-    rule = _bitsandbytes_rule()
+    rule = bitsandbytes_rule()
     if rule is None or x.numel() == 0 or len(quant_state.shape) != 2 or x.shape[-1] != quant_state.shape[1]:
         return None
     op, packed = rule[2], packed.view(-1, 1)

@@ -260,7 +260,7 @@ def bench_crossover(model, size, dtype_name, meta, log):
             with torch.inference_mode():
                 times = {name: triton.testing.do_bench(fn, warmup=10, rep=40, quantiles=[0.5, 0.2, 0.8])
                          for name, fn in fns.items()}
-                fused = dropin._bitsandbytes_fused_kernel(x, state.dtype, state)
+                fused = dropin.bitsandbytes_fuses(x, state.dtype, state)
             for name, (median, p20, p80) in times.items():
                 rows.append(dict(meta, kind="crossover", model=size, dtype=dtype_name, tokens=str(m),
                                  implementation=name, median_ms=median, p20_ms=p20, p80_ms=p80,

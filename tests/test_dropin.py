@@ -157,7 +157,7 @@ def test_no_state_anywhere_goes_to_bitsandbytes(device, monkeypatch):
     layer.weight.quant_state = None
     dropin.enable(layer)
     seen = []
-    monkeypatch.setattr(dropin, "_bitsandbytes_forward", lambda module, x: seen.append(1) or x)
+    monkeypatch.setattr(dropin, "bitsandbytes_forward", lambda module, x: seen.append(1) or x)
     layer(torch.randn(4, 64, dtype=torch.bfloat16, device=device))
     assert seen == [1]
 
@@ -382,7 +382,7 @@ def test_cpu_repacked_layer_goes_to_bitsandbytes(monkeypatch):
     layer = cpu_repacked_layer(seed=65)
     calls, handed = [], []
     dropin.enable(layer, dequantize=counted(calls))
-    monkeypatch.setattr(dropin, "_bitsandbytes_forward", lambda module, x: handed.append(module) or x)
+    monkeypatch.setattr(dropin, "bitsandbytes_forward", lambda module, x: handed.append(module) or x)
     with torch.no_grad():
         layer(torch.randn(4, 64, dtype=torch.bfloat16))
     assert handed == [layer] and calls == []
@@ -472,7 +472,7 @@ def test_inference_equals_bitsandbytes(rows):
     with torch.inference_mode():
         expected = layer(x)
         dropin.enable(layer, dequantize=counted(calls))
-        fused = dropin._bitsandbytes_fused_kernel(x, torch.bfloat16, layer.weight.quant_state)
+        fused = dropin.bitsandbytes_fuses(x, torch.bfloat16, layer.weight.quant_state)
         got = layer(x)
     assert_bit_exact(got, expected)
     assert calls == ([] if fused else [1])
@@ -487,7 +487,7 @@ def test_fused_op_gets_bitsandbytes_arguments(nested, device, monkeypatch):
     import bitsandbytes as bnb
 
     op = torch.ops.bitsandbytes.gemm_4bit.default
-    monkeypatch.setattr(dropin, "_bitsandbytes_rule", lambda: (1536, lambda *args: True, op))
+    monkeypatch.setattr(dropin, "bitsandbytes_rule", lambda: (1536, lambda *args: True, op))
     layer, _, state = linear4bit((96, 64), device=device, seed=8)
     if not nested:
         packed, state = quantize((96, 64), dtype=torch.bfloat16, nested=False, device=device, seed=8)
@@ -496,6 +496,6 @@ def test_fused_op_gets_bitsandbytes_arguments(nested, device, monkeypatch):
     x = torch.randn(3, 64, dtype=torch.bfloat16, device=device)
     bias = torch.randn(96, dtype=torch.bfloat16, device=device)
     with torch.no_grad():
-        got = dropin._bitsandbytes_fused_matmul(x, layer.weight.data, state, bias)
+        got = dropin.bitsandbytes_fused_matmul(x, layer.weight.data, state, bias)
         expected = bnb.matmul_4bit(x, layer.weight, quant_state=state, bias=bias)
     assert_bit_exact(got, expected)

@@ -30,9 +30,6 @@ TESTS_LAYER = "tests"
 ALLOWED_PRIVATE = {
     "matmul.py": {"kernel._TL_DTYPE", "kernel._add_rn", "kernel._check_state", "kernel._decode",
                   "kernel._fp32_to_bf16_rne", "kernel._jit", "kernel._lookup", "kernel._mul_ftz", "kernel._resolve"},
-    "modelbench.py": {"dropin._bitsandbytes_fused_kernel"},  # until dropin.py names it publicly
-    "tests/test_dropin.py": {"dropin._bitsandbytes_forward", "dropin._bitsandbytes_fused_kernel",
-                             "dropin._bitsandbytes_fused_matmul", "dropin._bitsandbytes_rule"},
     "tests/test_matmul.py": {"matmul._compute"},
 }
 
