@@ -579,8 +579,3 @@ def set_launch_config(bytes_per_program=None, num_warps=None, shared_tables=Fals
         _launch_override = LaunchConfig(bytes_per_program, num_warps, shared_tables)
     PLANS.clear()  # plans hold kernels compiled for the old configuration
 
-
-# The names matmul.py imports until it takes the public ones above and in quantstate.py.
-_TL_DTYPE, _jit, _mul_ftz, _add_rn, _lookup, _decode, _fp32_to_bf16_rne = (TL_DTYPE, jit, mul_ftz, add_rn, lookup,
-                                                                           decode, fp32_to_bf16_rne)
-_resolve, _check_state = quantstate.resolve, quantstate.check_state

@@ -23,22 +23,25 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+import fastpath
 import kernel
-from kernel import _TL_DTYPE, INTERPRET, _add_rn, _decode, _fp32_to_bf16_rne, _jit, _lookup, _mul_ftz
+import quantstate
+from fastpath import INTERPRET, device_facts, jit
+from kernel import TL_DTYPE, add_rn, decode, fp32_to_bf16_rne, lookup, mul_ftz
 
-__all__ = ["nf4_linear", "choose_route", "Route", "MatmulConfig", "MATMUL_ROUTES", "nf4_matmul_kernel",
+__all__ = ["nf4_linear", "linear_by_route", "choose_route", "Route", "MatmulConfig", "MATMUL_ROUTES", "nf4_matmul_kernel",
            "split_k_reduce_kernel"]
 
 
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
-@_jit
+@jit
 def _add(a, b):
     return a + b
 
 
-@_jit
+@jit
 def _block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, mask, BLOCKSIZE2: tl.constexpr,
                   NESTED: tl.constexpr, TABLE_HINT: tl.constexpr, USE_ASM: tl.constexpr, SHARED_TABLES: tl.constexpr):
     """fp32 scale of each quantization block index in ``block`` (the absmax decode of kernel.py);
@@ -50,15 +53,15 @@ def _block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, mask, B
         else:
             absmax_q = tl.load(absmax_ptr + block, mask=mask, other=0, eviction_policy=TABLE_HINT)
             absmax2 = tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=mask, other=0, eviction_policy=TABLE_HINT)
-        absmax_code = _lookup(code2_ptr, absmax_q.to(tl.int32), 256, TABLE_HINT, SHARED_TABLES)
-        return _add_rn(_mul_ftz(absmax_code, absmax2, USE_ASM), tl.load(offset_ptr), USE_ASM)
+        absmax_code = lookup(code2_ptr, absmax_q.to(tl.int32), 256, TABLE_HINT, SHARED_TABLES)
+        return add_rn(mul_ftz(absmax_code, absmax2, USE_ASM), tl.load(offset_ptr), USE_ASM)
     elif mask is None:
         return tl.load(absmax_ptr + block, eviction_policy=TABLE_HINT)
     else:
         return tl.load(absmax_ptr + block, mask=mask, other=0.0, eviction_policy=TABLE_HINT)
 
 
-@_jit
+@jit
 def _codebook(code_ptr, FP4: tl.constexpr):
     """The 16 code values in fp32; FP4's codes 8 to 15 carry the sign bit as bitsandbytes forms
     them (sign * magnitude, so code 8 is -0.0)."""
@@ -69,7 +72,7 @@ def _codebook(code_ptr, FP4: tl.constexpr):
     return values
 
 
-@_jit
+@jit
 def _pair_codebook(codebook):
     """256 entries, one per packed byte: the two code values it holds as one uint64, the high
     nibble's value (the even element) in the low half. One 8-byte lookup decodes two elements."""
@@ -79,7 +82,7 @@ def _pair_codebook(codebook):
     return first | (second << 32)
 
 
-@_jit
+@jit
 def _weight_tile(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, codebook, pairs, n, k0, N, K,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr,
                  NESTED: tl.constexpr, FP4: tl.constexpr, W_DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
@@ -118,8 +121,8 @@ def _weight_tile(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offse
         byte = (words[:, :, :, None] >> (8 * tl.arange(0, 4))[None, None, None, :]) & 0xFF  # [BLOCK_N, SCALES, W, 4]
         pair = tl.reshape(tl.gather(pairs, tl.reshape(byte, (byte.numel,)), 0), byte.shape)
         scale = scales[:, :, None, None]
-        first = _mul_ftz(pair.to(tl.uint32).to(tl.float32, bitcast=True), scale, USE_ASM)
-        second = _mul_ftz((pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True), scale, USE_ASM)
+        first = mul_ftz(pair.to(tl.uint32).to(tl.float32, bitcast=True), scale, USE_ASM)
+        second = mul_ftz((pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True), scale, USE_ASM)
         weights = _round(tl.reshape(tl.join(first, second), (BLOCK_N, SCALES, WORDS_PER_SCALE, 8)), W_DTYPE,
                          BF16_VIA_INT)
     else:
@@ -127,29 +130,29 @@ def _weight_tile(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offse
         shifts = 8 * (element // 2) + 4 * (1 - element % 2)  # element 2j is byte j's high nibble
         codes = (words[:, :, :, None] >> shifts[None, None, None, :]) & 0xF  # [BLOCK_N, SCALES, W, 8]
         if LOOKUP == 1:
-            products = _round(_mul_ftz(codebook[None, None, :], scales[:, :, None], USE_ASM), W_DTYPE, BF16_VIA_INT)
+            products = _round(mul_ftz(codebook[None, None, :], scales[:, :, None], USE_ASM), W_DTYPE, BF16_VIA_INT)
             table_row = (tl.arange(0, BLOCK_N)[:, None] * SCALES + block_in_tile[None, :]) * 16  # [BLOCK_N, SCALES, 16]
             index = table_row[:, :, None, None] + codes
             weights = tl.reshape(tl.gather(tl.reshape(products, (BLOCK_N * SCALES * 16,)),
                                            tl.reshape(index, (index.numel,)), 0),
                                  (BLOCK_N, SCALES, WORDS_PER_SCALE, 8))
         else:
-            weights = _round(_decode(codes, tl.broadcast_to(scales[:, :, None, None], codes.shape), code_ptr,
+            weights = _round(decode(codes, tl.broadcast_to(scales[:, :, None, None], codes.shape), code_ptr,
                                      TABLE_HINT, FP4, USE_ASM, False), W_DTYPE, BF16_VIA_INT)
     return weights
 
 
-@_jit
+@jit
 def _round(values, W_DTYPE: tl.constexpr, BF16_VIA_INT: tl.constexpr):
     """fp32 to W_DTYPE, nearest even (bf16 through integers where the hardware or the interpreter
     cannot)."""
     if W_DTYPE == tl.bfloat16 and BF16_VIA_INT:
-        return _fp32_to_bf16_rne(values)
+        return fp32_to_bf16_rne(values)
     else:
         return values.to(W_DTYPE)
 
 
-@_jit
+@jit
 def nf4_matmul_kernel(
     # inputs
     x_ptr,  # [M, K] activations (row stride stride_xm, unit column stride)
@@ -238,11 +241,11 @@ def nf4_matmul_kernel(
         if HAS_BIAS:
             result += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
         if X_DTYPE == tl.bfloat16 and BF16_VIA_INT:
-            result = _fp32_to_bf16_rne(result)
+            result = fp32_to_bf16_rne(result)
         tl.store(out_ptr + m[:, None] * N + n[None, :], result.to(X_DTYPE), mask=out_mask)
 
 
-@_jit
+@jit
 def split_k_reduce_kernel(
     partial_ptr,  # fp32 [SPLIT_K, n_elements]
     bias_ptr,  # [N] (HAS_BIAS only)
@@ -263,7 +266,7 @@ def split_k_reduce_kernel(
     if HAS_BIAS:
         total += tl.load(bias_ptr + offsets % N, mask=mask, other=0.0).to(tl.float32)
     if OUT_DTYPE == tl.bfloat16 and BF16_VIA_INT:
-        total = _fp32_to_bf16_rne(total)
+        total = fp32_to_bf16_rne(total)
     tl.store(out_ptr + offsets, total.to(OUT_DTYPE), mask=mask)
 
 
@@ -339,6 +342,14 @@ def choose_route(capability, rows, in_features, out_features):
     return _DEQUANTIZE
 
 
+def _run(kernel_fn, grid, args, options):
+    """A launch: Triton's JIT, or its interpreter one launch at a time (its grid is process-wide)."""
+    if INTERPRET:
+        fastpath.interpret(kernel_fn, grid, args, options)
+    else:
+        kernel_fn[grid](*args, **options)
+
+
 def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2, nested, fp4, config,
                  use_asm=None, bf16_via_int=None):
     """Launch the fused matmul (and the split-K reduction) for validated arguments."""
@@ -346,33 +357,31 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
     if packed.data_ptr() % 4:
         packed = packed.clone()  # int32 word loads need 4-byte alignment; a fresh allocation has it
     m = x2d.shape[0]
-    x_dtype = _TL_DTYPE[x2d.dtype]
+    x_dtype = TL_DTYPE[x2d.dtype]
     if use_asm is None:
         use_asm = not INTERPRET and torch.version.hip is None
     if bf16_via_int is None:
-        bf16_via_int = INTERPRET or (not INTERPRET and torch.cuda.get_device_capability(x2d.device) < (8, 0))
-    lookup = config.lookup if kernel.TRITON_COMPILES_SHARED_TABLES else 0  # gathers compile from Triton 3.4
+        bf16_via_int = INTERPRET or torch.cuda.get_device_capability(x2d.device) < (8, 0)
+    code_lookup = config.lookup if kernel.TRITON_COMPILES_SHARED_TABLES else 0  # gathers compile from Triton 3.4
     steps = triton.cdiv(k, config.block_k)
     split_k = max(split for split in range(1, config.split_k + 1) if steps % split == 0)
     target = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x2d.device)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split_k)
-    nf4_matmul_kernel[grid](
+    _run(nf4_matmul_kernel, grid, (
         x2d, packed, absmax, code, absmax2, code2, offset, bias if bias is not None else out, target,
-        m, n, k, x2d.stride(0),
+        m, n, k, x2d.stride(0)), dict(
         BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, FP4=fp4, X_DTYPE=x_dtype,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
         STEPS_PER_SPLIT=steps // split_k, DOT=config.dot,
         HAS_BIAS=bias is not None and split_k == 1, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int,
-        LOOKUP=lookup, EVEN=n % config.block_n == 0 and k % config.block_k == 0, USE_INT64=n * k > 2**31 - 1,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+        LOOKUP=code_lookup, EVEN=n % config.block_n == 0 and k % config.block_k == 0,
+        USE_INT64=n * k > 2**31 - 1, num_warps=config.num_warps, num_stages=config.num_stages))
     if split_k > 1:
         block = 1024
-        split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            target, bias if bias is not None else out, out, m * n, n,
+        _run(split_k_reduce_kernel, (triton.cdiv(m * n, block),), (
+            target, bias if bias is not None else out, out, m * n, n), dict(
             SPLIT_K=split_k, HAS_BIAS=bias is not None, OUT_DTYPE=x_dtype, BF16_VIA_INT=bf16_via_int, BLOCK=block,
-            num_warps=4,
-        )
+            num_warps=4))
     return out
 
 
@@ -408,11 +417,11 @@ def nf4_linear(x, weight, quant_state=None, bias=None):
     decodes it, rounded once to x's dtype; only the order of the fp32 sums differs from
     ``F.linear(x, W)``. ``bias``: (out,) in x's dtype, or None (a module's own bias is not taken).
     """
-    packed, qs = kernel._resolve(weight, quant_state)
+    packed, qs = quantstate.resolve(weight, quant_state)
     _require(isinstance(x, torch.Tensor), f"x must be a tensor, got {type(x).__name__}")
     _require(isinstance(packed, torch.Tensor), f"weight must be a tensor, Params4bit or Linear4bit, got {type(weight).__name__}")
     _require(qs is not None, "no quant_state given and the weight carries none")
-    _require(x.dtype in kernel.OUTPUT_DTYPES, f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    _require(x.dtype in quantstate.OUTPUT_DTYPES, f"x must be float16, bfloat16 or float32, got {x.dtype}")
     shape = getattr(qs, "shape", None)
     _require(isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 2,
              f"the quant_state's shape must be (out, in), got {shape!r}")
@@ -426,12 +435,13 @@ def nf4_linear(x, weight, quant_state=None, bias=None):
         _require(bias.dtype == x.dtype, f"bias must be {x.dtype} like x, got {bias.dtype}")
         _require(bias.device == x.device, f"bias is on {bias.device} but x is on {x.device}")
     rows = x.numel() // in_features if in_features else 0
-    capability = kernel.device_facts(x.device)[0]
+    capability = device_facts(x.device)[0]
     route = choose_route(capability, rows, in_features, out_features)
-    return _compute(x, packed, qs, bias, route)
+    return linear_by_route(x, packed, qs, bias, route)
 
 
-def _compute(x, packed, qs, bias, route):
+def linear_by_route(x, packed, qs, bias, route):
+    """``nf4_linear`` through the given Route (tests and benchmarks force each one)."""
     out_features, in_features = (int(dim) for dim in qs.shape)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, in_features)
@@ -441,7 +451,7 @@ def _compute(x, packed, qs, bias, route):
     if path == "bitsandbytes" and (INTERPRET or torch.compiler.is_compiling()):
         path = "dequantize"  # its kernels run on CUDA tensors, and outside a compiled graph
     if path == "fused":
-        _, blocksize, nested, blocksize2, tables = kernel._check_state(packed, qs)
+        _, blocksize, nested, blocksize2, tables = quantstate.check_state(packed, qs)
         if x2d.numel() == 0 or out_features == 0 or not _fused_supported(blocksize, in_features, x2d):
             path = "dequantize"
     if path == "bitsandbytes":

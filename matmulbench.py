@@ -20,6 +20,7 @@ import torch
 
 import bench_timing
 import bench_weights
+import fastpath
 import kernel
 import matmul
 
@@ -166,7 +167,7 @@ def sweep(dtype, layers, rows, configs, log=print):
 def fused_config(rows, in_features, out_features):
     """The fused kernel's configuration for a point: the route's where it is fused, else that of the
     first fused route for as many rows (the benchmark times the kernel at every point)."""
-    capability = kernel.device_facts()[0]
+    capability = fastpath.device_facts()[0]
     route = matmul.choose_route(capability, rows, in_features, out_features)
     if route.path == "fused":
         return route.config
@@ -193,7 +194,7 @@ def run(dtypes, rounds, rooflines, meta, log=print, layers=LAYERS, rows=ROWS):
     CUDA graph runs on the copy engines, 2434 against 3014 GB/s on the H100."""
     bandwidth = rooflines["profiler"]
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    capability = kernel.device_facts()[0]
+    capability = fastpath.device_facts()[0]
     table = []
     for dtype_name, dtype in dtypes.items():
         tflops = dense_tflops(dtype)
@@ -226,6 +227,34 @@ def run(dtypes, rounds, rooflines, meta, log=print, layers=LAYERS, rows=ROWS):
             del copies, base
             torch.cuda.empty_cache()
     return table
+
+
+README_ROWS = (1, 4, 16, 64, 128, 256)
+BEFORE = ("bitsandbytes", "dequantize + F.linear")  # the paths a 4-bit layer had without the fused kernel
+
+
+def readme_table(path, dtype="bf16"):
+    """The README's matmul table from a matmul.csv: per layer and M, nf4_linear's GPU time, the best
+    path before it (bitsandbytes or dequantize + cuBLAS) and how many times faster, the roofline and
+    nf4_linear's share of it."""
+    import csv
+
+    with open(path, newline="") as handle:
+        found = [row for row in csv.DictReader(handle) if row["dtype"] == dtype]
+    time = {(row["shape"], int(row["rows"]), row["implementation"]): float(row["median_us"]) for row in found}
+    roofline = {(row["shape"], int(row["rows"])): float(row["roofline_us"]) for row in found}
+    route = {(row["shape"], int(row["rows"])): row["route"] for row in found}
+    lines = ["| layer (in x out) | M | nf4_linear, us (route) | best before, us | speed-up | roofline, us | "
+             "% of roofline |", "|---|---|---|---|---|---|---|"]
+    for layer in dict.fromkeys(row["shape"] for row in found):
+        for m in README_ROWS:
+            ours = time[layer, m, "nf4_linear (routed)"]
+            before = min(BEFORE, key=lambda name: time[layer, m, name])
+            lines.append(f"| {layer} | {m} | {ours:.1f} ({route[layer, m]}) | {time[layer, m, before]:.1f} "
+                         f"({'bitsandbytes' if before == 'bitsandbytes' else 'dequantize'}) | "
+                         f"{time[layer, m, before] / ours:.2f}x | {roofline[layer, m]:.1f} | "
+                         f"{100 * roofline[layer, m] / ours:.0f} % |")
+    return lines
 
 
 def main():

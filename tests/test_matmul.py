@@ -14,6 +14,7 @@ import itertools
 import pytest
 import torch
 
+import fastpath
 import kernel
 import matmul
 from helpers import assert_unchanged, linear4bit, quantize, snapshot
@@ -56,7 +57,7 @@ def assert_contract(y, x, packed, state, bias=None):
     """nf4_linear's result: bitsandbytes' own where the route hands the call to bitsandbytes (one
     or two rows on the GPUs it was measured on), else within the bound of the exact decode."""
     rows, (out_features, in_features) = x.numel() // x.shape[-1], state.shape
-    capability = kernel.device_facts(x.device)[0]
+    capability = fastpath.device_facts(x.device)[0]
     if matmul.choose_route(capability, rows, in_features, out_features).path == "bitsandbytes":
         import bitsandbytes
 
@@ -241,7 +242,7 @@ def test_gpu_every_h100_route_within_bound(dtype):
         for shape, rows in (((72, 320), 3), ((136, 1024), route.max_rows)):
             packed, state = quantize(shape, dtype=dtype, device="cuda", seed=rows)
             x = torch.randn(rows, shape[1], device="cuda", dtype=dtype)
-            y = matmul._compute(x, packed, state, None, route)
+            y = matmul.linear_by_route(x, packed, state, None, route)
             if route.path == "bitsandbytes":
                 assert torch.equal(y, bitsandbytes.matmul_4bit(x, packed, quant_state=state))
             else:
