@@ -201,6 +201,19 @@ def test_routes_are_well_formed():
     assert matmul.choose_route((9, 0), 4096, 4096, 14336).path == "dequantize"
 
 
+def test_readme_matmul_table_is_the_committed_csv():
+    """The README's matmul table is what ``matmulbench.readme_table`` makes of results/'s matmul.csv."""
+    import os
+
+    import matmulbench
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as handle:
+        readme = handle.read()
+    table = matmulbench.readme_table(os.path.join(root, "results", "nvidia-h100-80gb-hbm3", "matmul.csv"))
+    assert "\n".join(table) in readme
+
+
 def test_nf4_linear_in_torch_compile_one_graph():
     packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=4)
     x = torch.randn(3, 128).half().to(DEVICE)
