@@ -215,14 +215,14 @@ class WeightPlan(fastpath.LaunchPlan):
     Each call checks: the state is the same object; every table (absmax, code, state2's absmax and
     code, the offset) has the address, dtype and size recorded, so a table rebound, ``.data``
     replaced, ``set_`` or ``resize_`` all show; the packed weight has the shape (a leading 1
-    transposes the result), byte count, 16-byte alignment, storage offset, contiguity and device
-    recorded, and its storage still holds its bytes (FSDP frees a flat parameter with
-    ``resize_(0)`` under its views); the state's scalars are equal; no profiler has set Triton
+    transposes the result), byte count, 16-byte alignment, contiguity and device recorded, and, at
+    an address other than the last that passed, its storage still holds its bytes (FSDP frees a
+    flat parameter with ``resize_(0)`` under its views); the state's scalars are equal; no profiler has set Triton
     launch hooks. The kernel reads the bytes on every call, so a weight re-quantized in place is
     served fresh; the packed bytes may move to any address of the same 16-byte alignment, on which
     Triton specialized the kernel and the word loads depend."""
 
-    __slots__ = ("facts", "nested", "nested_facts", "offset", "storage_bytes")
+    __slots__ = ("facts", "nested", "nested_facts", "offset", "held_at")
 
     def __init__(self, cache, packed, qs, checked, out, transpose, launch_kernel):
         """``checked``: ``check_state(packed, qs)`` as launched; the rest as ``fastpath.LaunchPlan``'s."""
@@ -232,7 +232,7 @@ class WeightPlan(fastpath.LaunchPlan):
         # What `matches` compares, in its order: the packed weight's alignment, shape, byte count,
         # place in its storage, contiguity and device (-1: the CPU); the state's fields; (address,
         # dtype, size) of each table as launched.
-        self.facts = (packed.data_ptr() % 16, packed.shape, packed.nbytes, packed.storage_offset(), True,
+        self.facts = (packed.data_ptr() % 16, packed.shape, packed.nbytes, True,
                       packed.get_device(), qs.dtype, shape, blocksize, qs.quant_type, nested,
                       absmax.data_ptr(), absmax.dtype, absmax.numel(), code.data_ptr(), code.dtype, code.numel())
         self.nested_facts = ((blocksize2, absmax2.data_ptr(), absmax2.dtype, absmax2.numel(),
@@ -241,22 +241,28 @@ class WeightPlan(fastpath.LaunchPlan):
         self.offset = ((offset.data_ptr(), offset.dtype, offset.numel()) if isinstance(qs.offset, torch.Tensor)
                        else qs.offset) if nested else None
         # The storage must still hold the bytes: FSDP frees a flat parameter with `resize_(0)` under
-        # the views it hands out, and any storage can be resized smaller under a view.
-        self.storage_bytes = packed.storage_offset() * packed.element_size() + packed.nbytes
+        # the views it hands out, and any storage can be resized smaller under a view. Resizing a
+        # storage moves its bytes (torch allocates anew, or frees to null), so the check runs when
+        # the packed bytes' address is not the last one that passed it (it cost 0.12 us of a 2 us match
+        # on a 2-core CPU host; NOTES.md item 72).
+        self.held_at = packed.data_ptr()
 
     def matches(self, packed, qs):
         """Whether this plan's launch is the validated call's for (packed, qs)."""
         try:
             absmax, code = qs.absmax, qs.code
+            address = packed.data_ptr()
             if (self.state_ref() is not qs
-                    or (packed.data_ptr() % 16, packed.shape, packed.nbytes, packed.storage_offset(),
-                        packed.is_contiguous(), packed.get_device(), qs.dtype, qs.shape, qs.blocksize,
-                        qs.quant_type, qs.nested, absmax.data_ptr(), absmax.dtype, absmax.numel(),
-                        code.data_ptr(), code.dtype, code.numel()) != self.facts
-                    or packed.untyped_storage().nbytes() < self.storage_bytes
+                    or (address % 16, packed.shape, packed.nbytes, packed.is_contiguous(), packed.get_device(),
+                        qs.dtype, qs.shape, qs.blocksize, qs.quant_type, qs.nested, absmax.data_ptr(),
+                        absmax.dtype, absmax.numel(), code.data_ptr(), code.dtype, code.numel()) != self.facts
                     or (self.device_index is None and not packed.is_cpu)  # get_device() is -1 for meta too
                     or launch_hooks_active()):
                 return False
+            if address != self.held_at:
+                if packed.untyped_storage().nbytes() < packed.storage_offset() * packed.element_size() + packed.nbytes:
+                    return False
+                self.held_at = address
             if not self.nested:
                 return True
             state2, offset = qs.state2, qs.offset

@@ -274,7 +274,7 @@ def state_identity_only(self, packed, qs):
 def scalars_only(self, packed, qs):
     """Known-bad (the rule before table addresses were recorded, where the table objects were the
     same): the state and its scalars, nothing about the memory its tables read."""
-    return self.state_ref() is qs and (qs.dtype, qs.shape, qs.blocksize, qs.quant_type, qs.nested) == self.facts[6:11]
+    return self.state_ref() is qs and (qs.dtype, qs.shape, qs.blocksize, qs.quant_type, qs.nested) == self.facts[5:10]
 
 
 @pytest.mark.parametrize("change", STATE_CHANGES + INVALIDATING_CHANGES + ["table-storage"])
@@ -304,14 +304,15 @@ def test_plan_on_the_weights_device_only(device):
     planned(packed, state)
     plan = plan_of(state)
 
-    alignment, shape, nbytes, offset_in_storage, _, device_number = plan.facts[:6]
+    alignment, shape, nbytes, _, device_number = plan.facts[:5]
 
     class Elsewhere:
         """The planned weight's address, shape and size, on another device."""
 
         is_contiguous = staticmethod(lambda: True)
         data_ptr = staticmethod(lambda: 16 * 4096 + alignment)
-        storage_offset = staticmethod(lambda: offset_in_storage)
+        storage_offset = staticmethod(lambda: packed.storage_offset())
+        element_size = staticmethod(lambda: packed.element_size())
         get_device = staticmethod(lambda: device_number + 1)
         untyped_storage = staticmethod(lambda: packed.untyped_storage())
 
