@@ -8,8 +8,8 @@ ever written. The only difference from dequantize + ``F.linear`` is the order of
 Two shapes of program, both over bitsandbytes' layout as it is (no repack):
 - ``DOT``: the weight tile is the left operand of ``tl.dot`` (tensor cores) against ``x``'s tile
   transposed, so a few rows of ``x`` only pad the narrow side of the product;
-- FMA: for one or two rows, each decoded weight is multiplied into fp32 accumulators and reduced
-  along K at the end (also the path for bf16 on sm_75, which has no bf16 tensor-core product).
+- FMA: one row of ``x`` per program, each decoded weight multiplied into fp32 accumulators that
+  are reduced along K at the end.
 Where N alone does not fill the GPU, ``SPLIT_K`` programs share a row of outputs: each writes its
 fp32 partial sums and a second small kernel adds them in a fixed order (deterministic), adds the
 bias and casts.
@@ -93,7 +93,7 @@ def _weight_tile(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offse
 
     The values are those of kernel.py's decode, ``W_DTYPE(fp32(code * scale))``, the code value
     found by one of three lookups (LOOKUP): 0, per element in the global codebook (kernel.py's
-    ``_decode``); 1, per block a table of the 16 possible products (16 multiplies and casts per
+    ``decode``); 1, per block a table of the 16 possible products (16 multiplies and casts per
     block, then one shared-memory load per element); 2, per byte in a shared table of code pairs
     (one 8-byte load per two elements). EVEN: the tile lies inside the weight (no masks)."""
     TABLE_HINT: tl.constexpr = "evict_last"
@@ -240,9 +240,7 @@ def nf4_matmul_kernel(
     else:
         if HAS_BIAS:
             result += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
-        if X_DTYPE == tl.bfloat16 and BF16_VIA_INT:
-            result = fp32_to_bf16_rne(result)
-        tl.store(out_ptr + m[:, None] * N + n[None, :], result.to(X_DTYPE), mask=out_mask)
+        tl.store(out_ptr + m[:, None] * N + n[None, :], _round(result, X_DTYPE, BF16_VIA_INT), mask=out_mask)
 
 
 @jit
@@ -265,9 +263,7 @@ def split_k_reduce_kernel(
         total += tl.load(partial_ptr + split * n_elements + offsets, mask=mask, other=0.0)
     if HAS_BIAS:
         total += tl.load(bias_ptr + offsets % N, mask=mask, other=0.0).to(tl.float32)
-    if OUT_DTYPE == tl.bfloat16 and BF16_VIA_INT:
-        total = fp32_to_bf16_rne(total)
-    tl.store(out_ptr + offsets, total.to(OUT_DTYPE), mask=mask)
+    tl.store(out_ptr + offsets, _round(total, OUT_DTYPE, BF16_VIA_INT), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,9 +394,10 @@ def _fused_supported(blocksize, k, x):
     packed view off a 4-byte boundary is copied at launch) on this GPU: sm_75 has no bf16
     tensor-core product, and Triton before 3.4 fails to compile its fp16 dot there. Elsewhere
     nf4_linear dequantizes."""
-    if INTERPRET or torch.cuda.get_device_capability(x.device) >= (8, 0):
-        return blocksize >= 8 and k % blocksize == 0
-    return blocksize >= 8 and k % blocksize == 0 and x.dtype is not torch.bfloat16 and SM75_COMPILES
+    if blocksize < 8 or k % blocksize:
+        return False
+    return INTERPRET or torch.cuda.get_device_capability(x.device) >= (8, 0) or (
+        x.dtype is not torch.bfloat16 and SM75_COMPILES)
 
 
 SM75_COMPILES = kernel.TRITON_COMPILES_SHARED_TABLES  # both from Triton 3.4 (3.3.1 aborts in its LLVM lowering)
@@ -510,12 +507,9 @@ def _linear_op(
 
 
 def _config_of(values):
-    """A MatmulConfig from the operator's list of ints."""
-    return MatmulConfig(*(bool(value) if isinstance(default, bool) else value
-                          for value, default in zip(values, _CONFIG_KINDS)))
-
-
-_CONFIG_KINDS = MatmulConfig(1, 1, 1, 1, True, 1, 1, 1)
+    """A MatmulConfig from the operator's list of ints (``dot`` travels as 0 or 1)."""
+    config = MatmulConfig._make(values)
+    return config._replace(dot=bool(config.dot))
 
 
 def _linear_op_fake(x, packed, absmax, code, absmax2, code2, offset, bias, out_features, blocksize, blocksize2,

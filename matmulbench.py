@@ -23,6 +23,7 @@ import bench_weights
 import fastpath
 import kernel
 import matmul
+import quantstate
 
 # (in, out): Llama-3-8B's attention (q/o, k/v), MLP up/gate and down, and a 70B model's MLP
 LAYERS = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (8192, 28672), (28672, 8192)]
@@ -85,13 +86,11 @@ def dense_tflops(dtype):
 
 def fused_call(layer, x, config, out):
     """f() computing x @ W.T through the fused kernel with this config, into out (no validation)."""
-    state = layer.weight.quant_state
-    tables = (state.absmax, state.code, state.state2.absmax, state.state2.code,
-              state.offset if isinstance(state.offset, torch.Tensor) else torch.tensor([state.offset], device="cuda"))
-    packed = layer.weight.data.view(torch.uint8)
+    packed, state = layer.weight.data, layer.weight.quant_state
+    _, blocksize, nested, blocksize2, tables = quantstate.check_state(packed, state)
     n, k = state.shape
-    return lambda: matmul.launch_fused(x, packed, tables, None, out, n=n, k=k, blocksize=state.blocksize,
-                                       blocksize2=state.state2.blocksize, nested=True, fp4=False, config=config)
+    return lambda: matmul.launch_fused(x, packed.view(torch.uint8), tables, None, out, n=n, k=k, blocksize=blocksize,
+                                       blocksize2=blocksize2, nested=nested, fp4=False, config=config)
 
 
 C = matmul.MatmulConfig

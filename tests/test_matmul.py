@@ -17,6 +17,7 @@ import torch
 import fastpath
 import kernel
 import matmul
+import quantstate
 from helpers import assert_unchanged, linear4bit, quantize, snapshot
 from matmul import MatmulConfig
 from reference import dequantize_reference, linear_error_bound, linear_reference
@@ -69,14 +70,10 @@ def assert_contract(y, x, packed, state, bias=None):
 
 def launch(x, packed, state, config, bias=None):
     n, k = state.shape
-    tables = (state.absmax, state.code, *(
-        (state.state2.absmax, state.state2.code,
-         state.offset if isinstance(state.offset, torch.Tensor) else torch.tensor([state.offset], device=x.device))
-        if state.nested else (state.absmax,) * 3))
+    _, blocksize, nested, blocksize2, tables = quantstate.check_state(packed, state)
     y = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)  # poisoned: every element written
-    matmul.launch_fused(x, packed.view(torch.uint8), tables, bias, y, n=n, k=k, blocksize=state.blocksize,
-                        blocksize2=state.state2.blocksize if state.nested else 1, nested=state.nested,
-                        fp4=state.quant_type == "fp4", config=config)
+    matmul.launch_fused(x, packed.view(torch.uint8), tables, bias, y, n=n, k=k, blocksize=blocksize,
+                        blocksize2=blocksize2, nested=nested, fp4=state.quant_type == "fp4", config=config)
     return y
 
 
