@@ -1,6 +1,7 @@
 """Charts of a results folder, drawn from its CSVs alone: kernel time as % of the copy roofline
-(kernel_roofline.png), the launch sweep (sweep.png) and the model's speed over bitsandbytes
-(model.png). ``python bench.py --plot FOLDER`` redraws them."""
+(kernel_roofline.png), the launch sweep (sweep.png), the model's speed over bitsandbytes
+(model.png), the fused matmul over M (matmul.png) and servebench's decode, prefill and QLoRA
+(serve.png, serve_losses.png). ``python bench.py --plot FOLDER`` redraws them."""
 
 import os
 
@@ -71,7 +72,7 @@ def plot(folder):
     matmul_csv = os.path.join(folder, "matmul.csv")
     if os.path.exists(matmul_csv):
         written.append(plot_matmul(pd.read_csv(matmul_csv), os.path.join(folder, "matmul.png"), plt))
-    return written
+    return written + plot_serve(folder)
 
 
 def plot_matmul(frame, path, plt):
@@ -94,6 +95,61 @@ def plot_matmul(frame, path, plt):
         ax.grid(True, which="both", linewidth=0.3)
     meta = frame.iloc[0]
     return _save_with_legend_below(plt, fig, axes, path, run_line(meta), ncol=6, fontsize=10, bottom=0.08, dpi=90)
+
+
+def plot_serve(folder):
+    """servebench's charts from the folder's serve_<dtype>.csv files: decode tokens/s against batch and
+    each timed case over bitsandbytes (serve.png), the QLoRA loss curves (serve_losses.png)."""
+    import glob
+
+    import matplotlib
+    import pandas as pd
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = sorted(glob.glob(os.path.join(folder, "serve_??16.csv")))  # not the run with Unsloth imported
+    if not paths:
+        return []
+    frame = pd.concat([pd.read_csv(path) for path in paths], ignore_index=True)
+    dtypes = list(dict.fromkeys(frame["dtype"]))
+    meta = frame.iloc[0]
+    fig, axes = plt.subplots(2, len(dtypes), figsize=(6 * len(dtypes), 9), squeeze=False)
+    for column, dtype in enumerate(dtypes):
+        rows = frame[frame["dtype"] == dtype]
+        decode = rows[rows["kind"] == "decode"].copy()
+        decode["batch"] = decode["tokens"].str.split("x").str[0].astype(int)
+        ax = axes[0, column]
+        for name, line in decode.groupby("implementation", sort=False):
+            ax.plot(line["batch"], line["tokens_per_s"], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch (sequences decoded at once)")
+        ax.set_ylabel("decode tokens/s (CUDA graph)")
+        ax.set_title(f"{meta['model']}, {dtype}: decode", fontsize=10)
+        ax.grid(True, which="both", linewidth=0.3)
+        timed = rows[rows["kind"].isin(["decode", "prefill", "qlora-step", "qlora-step-checkpointed"])].copy()
+        timed["case"] = timed["kind"].str.replace("qlora-step-checkpointed", "step+ckpt").str.replace(
+            "qlora-step", "step") + " " + timed["tokens"].str.split("+").str[0]
+        table = timed.pivot(index="case", columns="implementation", values="median_ms")
+        table = table.loc[list(dict.fromkeys(timed["case"])), list(dict.fromkeys(timed["implementation"]))]
+        (table["bitsandbytes"].to_numpy()[:, None] / table).plot.bar(ax=axes[1, column], rot=45, legend=False)
+        axes[1, column].axhline(1, color="black", linewidth=0.8, linestyle="--")
+        axes[1, column].set_ylabel("speed over bitsandbytes' Linear4bit (x)")
+        axes[1, column].set_xlabel("")
+    written = [_save_with_legend_below(plt, fig, axes, os.path.join(folder, "serve.png"), run_line(meta), ncol=None,
+                                       fontsize=9, bottom=0.06, dpi=90)]
+    losses = frame[frame["kind"] == "loss"]
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
+    for ax, dtype in zip(axes.flat, dtypes):
+        for name, curve in losses[losses["dtype"] == dtype].groupby("implementation", sort=False):
+            ax.plot(curve["step"], curve["loss"], label=name, linewidth=1.2)
+        ax.set_xlabel("QLoRA step")
+        ax.set_ylabel("loss")
+        ax.set_title(f"{meta['model']}, {dtype}, LoRA r=16 from one start", fontsize=10)
+    written.append(_save_with_legend_below(plt, fig, axes, os.path.join(folder, "serve_losses.png"), run_line(meta),
+                                           ncol=None, fontsize=9, bottom=0.1, dpi=90))
+    return written
 
 
 def _save_with_legend_below(plt, fig, axes, path, title, *, ncol, fontsize, bottom, dpi):

@@ -12,11 +12,17 @@ it keeps its forward. The routed forward pickles and deep-copies with its module
 Forward computes ``x @ W.t() (+ bias)`` with W dequantized by the kernel; backward dequantizes W
 again rather than keeping it alive between the two (as bitsandbytes does). With the same W, both
 are bitsandbytes' own arithmetic (``F.linear`` forward, ``matmul(grad, W)`` backward), so logits
-and input gradients are bit-exact wherever bitsandbytes dequantizes too. Where bitsandbytes
-computes an inference input with its own fused 4-bit matmul (a few tokens: its GEMV and
-small-batch kernels, chosen by its own per-GPU rule), that op is kept: it is faster there and its
-arithmetic differs. It is called with the arguments bitsandbytes' forward passes it (the same
-bits), without that forward's Python.
+and input gradients are bit-exact wherever bitsandbytes dequantizes too.
+
+Inference (no gradient) on a GPU takes ``matmul.choose_route``'s path for its row count: the fused
+NF4 matmul where it is the fastest (from 3 to 16 rows, and to 128 on the largest layers, on the
+H100). It decodes W to the same values; only the order of the fp32 sums differs from
+bitsandbytes', so logits there agree to the last bits, not bit for bit (NOTES.md item 73).
+``enable(model, fused=False)`` keeps bitsandbytes' arithmetic everywhere. Where bitsandbytes
+computes an inference input with its own fused 4-bit matmul (its GEMV at one row, its small-batch
+kernel, chosen by its own per-GPU rule) and the route is not the fused kernel, that op is kept,
+called with the arguments bitsandbytes' forward passes it (the same bits), without that forward's
+Python.
 """
 
 import functools
@@ -26,9 +32,11 @@ import torch
 import torch.nn.functional as F
 
 import kernel
+import matmul
 import quantstate
+from fastpath import device_facts
 
-__all__ = ["enable", "disable", "is_enabled", "bitsandbytes_forward", "bitsandbytes_rule", "bitsandbytes_fuses",
+__all__ = ["enable", "disable", "is_enabled", "fused_route", "bitsandbytes_forward", "bitsandbytes_rule", "bitsandbytes_fuses",
            "bitsandbytes_fused_matmul"]
 
 # Where a routed forward sits on a module: `forward`, or `_old_forward`, the forward that Accelerate's
@@ -42,11 +50,12 @@ def _linear4bit_type():
     return bnb.nn.Linear4bit
 
 
-def enable(model, dequantize=None):
+def enable(model, dequantize=None, fused=True):
     """Route every ``bitsandbytes.nn.Linear4bit`` in ``model`` (itself included) whose forward is
     bitsandbytes' own through the kernel; return how many layers are routed now. Calling it again
-    routes them through the ``dequantize`` given then. ``dequantize(packed, quant_state)``: another
-    dequantization to route through (benchmarks)."""
+    routes them as that call says. ``dequantize(packed, quant_state)``: another dequantization to
+    route through (benchmarks). ``fused``: inference rows through the fused matmul where its route
+    picks it; False keeps bitsandbytes' bits everywhere."""
     linear4bit = _linear4bit_type()
     dequantize = dequantize or kernel.dequantize_nf4
     routed = 0
@@ -57,7 +66,7 @@ def enable(model, dequantize=None):
             continue
         # A partial of a module-level function, not a bound method of a name the class lacks: it
         # pickles (torch.save of the model) and deep-copies with its module.
-        setattr(module, slot, functools.partial(_routed_forward, module, dequantize))
+        setattr(module, slot, functools.partial(_routed_forward, module, dequantize, fused))
         routed += 1
     return routed
 
@@ -140,9 +149,10 @@ def bitsandbytes_fuses(x, dtype, quant_state):
     return fused(x.device.index, dtype, m, quant_state.shape[0], k)
 
 
-def _routed_forward(module, dequantize, x, *args, **kwargs):
-    """Linear4bit.forward with the weight dequantized by ``dequantize`` (see the module docstring).
-    The checks that hand a call back to bitsandbytes come first: they cost every one-token call."""
+def _routed_forward(module, dequantize, fused_matmul, x, *args, **kwargs):
+    """Linear4bit.forward with the weight dequantized by ``dequantize``, or inference rows through
+    the fused matmul (see the module docstring). The checks that hand a call back to bitsandbytes
+    come first: they cost every one-token call."""
     weight = module.weight
     quant_state = getattr(weight, "quant_state", None)
     if quant_state is None:
@@ -159,23 +169,38 @@ def _routed_forward(module, dequantize, x, *args, **kwargs):
     dtype = module.compute_dtype or x.dtype
     bias = module.bias
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-    fused = not needs_grad and not torch.compiler.is_compiling() and bitsandbytes_fuses(x, dtype, quant_state)
+    route = fused_route(x, quant_state) if fused_matmul and not needs_grad and quant_state.dtype is dtype else None
+    fused = (route is None and not needs_grad and not torch.compiler.is_compiling()
+             and bitsandbytes_fuses(x, dtype, quant_state))
     if quant_state.dtype is not dtype and not fused:  # bitsandbytes dequantizes straight to x's dtype: one rounding
         return bitsandbytes_forward(module, x)
     compute_x = x if x.dtype is dtype else x.to(dtype)
     if bias is not None and bias.dtype is not dtype:
         bias = bias.to(dtype)
     packed, quant_state = quantstate.resolve(weight, quant_state)
-    if fused:
+    if route is not None:
+        y = matmul.linear_by_route(compute_x, packed, quant_state, bias, route)
+    elif fused:
         y = bitsandbytes_fused_matmul(compute_x, packed, quant_state, bias)
         if y is None:
             return bitsandbytes_forward(module, x)
-        return y if y.dtype is x.dtype else y.to(x.dtype)
-    if needs_grad:
+    elif needs_grad:
         y = _DequantizedLinear.apply(compute_x, packed, quant_state, bias, dequantize)
     else:  # no graph to record: the autograd Function's bookkeeping would be host time alone
         y = F.linear(compute_x, _weight(dequantize, packed, quant_state), bias)
     return y if y.dtype is x.dtype else y.to(x.dtype)
+
+
+def fused_route(x, quant_state):
+    """The fused matmul's Route for ``x`` against the layer's weight where ``matmul.choose_route``
+    picks the fused kernel on x's GPU, else None (CPU tensors: the interpreter is for tests)."""
+    if not x.is_cuda or x.dim() == 0 or len(quant_state.shape) != 2:
+        return None
+    out_features, in_features = (int(dim) for dim in quant_state.shape)
+    if x.shape[-1] != in_features or in_features == 0:
+        return None
+    route = matmul.choose_route(device_facts(x.device)[0], x.numel() // in_features, in_features, out_features)
+    return route if route.path == "fused" else None
 
 
 def _weight(dequantize, packed, quant_state):

@@ -4,6 +4,7 @@
     python bench.py --sections matmul            # the section: results/<gpu>/matmul.csv, matmul.png
     python matmulbench.py --sweep [--dtype ...] [--layers 4096x14336,...] [--rows 1,16,...]
                                                  # the candidates behind matmul.MATMUL_ROUTES
+    notebook_points(...)                         # the notebooks' section 7: one layer, the same timing
 
 GPU time per call comes from CUDA graphs: one graph calls the layer once for each of several
 copies of its weight (more bytes than three L2 sizes, as a model's layers are read from memory,
@@ -15,6 +16,7 @@ max(NF4 bytes / copy bandwidth, 2 M K N / dense matmul rate), both measured here
 import argparse
 import copy
 import statistics
+import time
 
 import torch
 
@@ -31,14 +33,14 @@ ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 QUICK_ROWS = [1, 4, 16, 64, 256, 1024]
 
 
-def make_layer(in_features, out_features, dtype, seed=0):
-    """A bitsandbytes NF4 Linear4bit (double-quantized absmax) on the GPU, computing in dtype."""
+def make_layer(in_features, out_features, dtype, seed=0, device="cuda"):
+    """A bitsandbytes NF4 Linear4bit (double-quantized absmax) on ``device``, computing in dtype."""
     import bitsandbytes as bnb
 
     torch.manual_seed(seed)
     layer = bnb.nn.Linear4bit(in_features, out_features, bias=False, compute_dtype=dtype, compress_statistics=True,
                               quant_type="nf4", device="cpu")
-    layer = layer.cuda()
+    layer = layer.to(device)  # quantized on the device it moves to
     layer.weight.quant_state.dtype = dtype
     return layer
 
@@ -178,7 +180,7 @@ def contenders(layers, x, out_features):
     """name -> calls (one per weight copy): the baselines, the fused kernel and nf4_linear's route."""
     rows, in_features = x.shape
     config = fused_config(rows, in_features, out_features)
-    out = torch.empty(rows, out_features, device="cuda", dtype=x.dtype)
+    out = torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
     return {
         **baselines(layers, x),
         "fused kernel": [fused_call(layer, x, config, out) for layer in layers],
@@ -230,6 +232,71 @@ def run(dtypes, rounds, rooflines, meta, log=print, layers=LAYERS, rows=ROWS):
 
 README_ROWS = (1, 4, 16, 64, 128, 256)
 BEFORE = ("bitsandbytes", "dequantize + F.linear")  # the paths a 4-bit layer had without the fused kernel
+SHOWN = BEFORE + ("fused kernel",)  # the notebooks' contenders
+
+
+def fused_difference(layer, x):
+    """(largest |fused kernel - dequantize + F.linear|, largest |dequantize + F.linear|) over x @ W.T."""
+    rows, in_features = x.shape
+    out_features = layer.weight.quant_state.shape[0]
+    out = torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
+    with torch.no_grad():
+        fused_call(layer, x, fused_config(rows, in_features, out_features), out)()
+        reference = torch.nn.functional.linear(x, kernel.dequantize_nf4(layer)).float()
+    return (out.float() - reference).abs().max().item(), reference.abs().max().item()
+
+
+def wall_clock_us(calls, rounds):
+    """name -> median wall-clock microseconds per call over ``rounds`` interleaved rounds, after a
+    warm-up call of each (a GPU synchronized around every call)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and not fastpath.INTERPRET else lambda: None
+    samples = {name: [] for name in calls}
+    with torch.no_grad():
+        for call in calls.values():
+            call()
+        for _ in range(rounds):
+            for name, call in calls.items():
+                sync()
+                start = time.perf_counter()
+                call()
+                sync()
+                samples[name].append((time.perf_counter() - start) * 1e6)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def notebook_points(dtype_name, dtype, layer, rows, rounds, rooflines=None, meta=None, log=print):
+    """The notebooks' matmul section at one (in, out) layer: (what the times are, one dict per M of
+    rows) with each of SHOWN's median microseconds per call, the route ``choose_route`` picks here
+    and the fused kernel's largest difference from dequantize + F.linear with the largest |y|.
+    With ``rooflines`` (a GPU run): ``run``'s GPU times and the point's roofline. Without (smoke
+    mode): wall clock per call, through Triton's interpreter without a GPU, where bitsandbytes'
+    kernels (CUDA only) are not timed."""
+    in_features, out_features = layer
+    device = "cpu" if fastpath.INTERPRET else "cuda"
+    capability = fastpath.device_facts()[0]
+    if rooflines is not None:
+        timer = "GPU time per call, us (CUDA graphs)"
+        timed = {(row["rows"], row["implementation"]): row for row in run(
+            {dtype_name: dtype}, rounds, rooflines, meta, lambda line: None, layers=[layer], rows=rows)}
+    else:
+        timer = "wall clock per call, us (smoke mode" + (": Triton's interpreter)" if device == "cpu" else ")")
+        shown = [name for name in SHOWN if device == "cuda" or name != "bitsandbytes"]
+        if device == "cpu":
+            log("bitsandbytes: not timed (its kernels run on CUDA tensors)")
+    base = make_layer(in_features, out_features, dtype, device=device)
+    points = []
+    for m in rows:
+        x = torch.randn(m, in_features, device=device, dtype=dtype)
+        difference, largest = fused_difference(base, x)
+        if rooflines is not None:
+            times = {name: timed[m, name]["median_us"] for name in SHOWN}
+            times["roofline"] = timed[m, "fused kernel"]["roofline_us"]
+        else:
+            calls = contenders([base], x, out_features)
+            times = wall_clock_us({name: calls[name][0] for name in shown}, rounds)
+        points.append(dict(M=m, **times, route=matmul.choose_route(capability, m, in_features, out_features).path,
+                           max_difference=difference, max_y=largest))
+    return timer, points
 
 
 def readme_table(path, dtype="bf16"):

@@ -34,20 +34,22 @@ CROSSOVER_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 1536]
 LORA_RANK = 16
 
 
-def llama_config(size, vocab_size=32000):
+def llama_config(size, vocab_size=32000, layers=None):
+    """A LlamaConfig of ``size`` (SIZES), with ``layers`` decoder layers where given."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab_size, max_position_embeddings=2048, **SIZES[size])
+    shape = dict(SIZES[size], **({} if layers is None else {"num_hidden_layers": layers}))
+    return LlamaConfig(vocab_size=vocab_size, max_position_embeddings=2048, **shape)
 
 
-def save_random_llama(size, folder, seed=0, vocab_size=32000):
+def save_random_llama(size, folder, seed=0, vocab_size=32000, layers=None):
     """A LlamaForCausalLM of ``size`` with random weights, saved in bf16 to ``folder``."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
-        model = LlamaForCausalLM(llama_config(size, vocab_size)).to(torch.bfloat16)
+        model = LlamaForCausalLM(llama_config(size, vocab_size, layers)).to(torch.bfloat16)
     model.save_pretrained(folder)
     del model
 
@@ -183,7 +185,10 @@ def bench_prefill(model, size, dtype_name, rounds, functions, meta, log):
     return rows
 
 
-def bench_train(model, size, dtype_name, rounds, functions, meta, log):
+def bench_train(model, size, dtype_name, rounds, functions, meta, log, tokens=TRAIN_TOKENS, route_to=None):
+    """A QLoRA step of ``tokens`` (batch, sequence) per contender, without and with gradient
+    checkpointing. ``route_to(model, name)`` routes the model's layers (default: ``route``)."""
+    route_to = route_to or (lambda model, name: route(model, name, functions))
     vocab = model.config.vocab_size
     rows = []
     for checkpointing in (False, True):
@@ -195,20 +200,20 @@ def bench_train(model, size, dtype_name, rounds, functions, meta, log):
         lora = [p for p in model.parameters() if p.requires_grad]
         initial = [p.detach().clone() for p in lora]
         optimizer = torch.optim.AdamW(lora, lr=1e-4)
-        step = train_step_fn(model, optimizer, *TRAIN_TOKENS, vocab)
+        step = train_step_fn(model, optimizer, *tokens, vocab)
         samples = {name: ([], []) for name in functions}
         for _ in range(rounds):
             for name in functions:
-                route(model, name, functions)
+                route_to(model, name)
                 seconds, peak = timed(step, 5)
                 samples[name][0].append(seconds)
                 samples[name][1].append(peak)
         # Loss and LoRA gradients of one batch from the starting LoRA weights, per contender;
         # bitsandbytes twice, the second run its own row: its run-to-run difference.
-        ids = torch.randint(0, vocab, TRAIN_TOKENS, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+        ids = torch.randint(0, vocab, tokens, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
 
         def loss_and_grads(name):
-            route(model, name, functions)
+            route_to(model, name)
             for p, start in zip(lora, initial):
                 p.data.copy_(start)
             loss = model(input_ids=ids, labels=ids).loss
@@ -223,13 +228,13 @@ def bench_train(model, size, dtype_name, rounds, functions, meta, log):
             profile = kernel_time(step, calls=2)
             largest = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference_grads))
             rows.append(row(meta, "qlora-step-checkpointed" if checkpointing else "qlora-step", size, dtype_name,
-                            TRAIN_TOKENS, name, *samples[name], profile,
+                            tokens, name, *samples[name], profile,
                             loss_equal_bitsandbytes=torch.equal(loss, reference_loss),
                             lora_grads_equal_bitsandbytes=all(map(torch.equal, grads, reference_grads)),
                             lora_grad_max_diff=largest))
         for p, start in zip(lora, initial):
             p.data.copy_(start)
-        route(model, "bitsandbytes", functions)
+        route_to(model, "bitsandbytes")
         log(f"qlora step {size} {dtype_name} checkpointing={checkpointing}: " + ", ".join(
             f"{r['implementation']} {r['median_ms']:.1f} ms (GPU {r['gpu_ms']:.1f}) {r['peak_mib']:.0f} MiB"
             for r in rows[-len(functions):]))

@@ -41,7 +41,8 @@ This notebook runs `kernel.py` of the nf4-triton project: one fused Triton kerne
 bitsandbytes NF4 weight (double-quantized absmax) into <<dtype>>, bit-exact with bitsandbytes.
 It derives the format, shows the kernel, checks it with the challenge's own `test_dequantize`
 check, times it against Unsloth's `fast_dequantize` (its fused 2026 kernel and its 2025
-two-launch path), sweeps the launch parameters, and tries it inside `torch.compile`.
+two-launch path), sweeps the launch parameters, runs the project's fused NF4 matmul against
+dequantize + matmul and bitsandbytes, and tries the kernel inside `torch.compile`.
 
 **It runs opened alone.** The project's modules travel inside it (section 1, *Project files*,
 collapsed); next to a clone of the repository the clone's files are used instead. In Colab choose
@@ -52,7 +53,7 @@ the GPU that section 1 names in its output; on <<a_gpu>> runtime, *Run all* meas
 every cell measures the GPU it runs on. The companion notebook covers the <<other_gpu>> (<<other_dtype>>).
 
 Without a GPU (or with `NF4_NOTEBOOK_SMOKE=1`) it runs in smoke mode: small shapes through
-Triton's interpreter, no timings, Unsloth skipped. The project's tests run it that way, alone in
+Triton's interpreter, no GPU timings, Unsloth skipped. The project's tests run it that way, alone in
 an empty folder, so that *Run all* cannot rot."""),
     ("markdown", "setup", r"""## 1. Setup
 Install cell for a fresh Colab runtime: pinned bitsandbytes and Unsloth with Unsloth's own version ranges, every pip call held to the runtime's torch, torchvision, torchaudio and triton. Elsewhere it installs nothing."""),  # noqa: E501
@@ -290,7 +291,52 @@ else:
     print(f"best: {label} (geometric-mean slowdown {slowdown:.3f} vs each shape's best); "
           f"default {kernel.LAUNCH_CONFIGS.get(tuple(capability), kernel.DEFAULT_LAUNCH_TIERS)}")
     display(Image(bench_plots.plot(RESULTS)[-1]))"""),
-    ("markdown", "explorer-intro", r"""## 7. Explorer
+    ("markdown", "matmul-intro", r"""## 7. The fused matmul
+`matmul.py` computes `x @ W.T` straight from bitsandbytes' packed NF4 bytes and absmax: each program
+decodes its tile of the weight in registers, with the dequantization's arithmetic, and multiplies it
+in, so no 16-bit weight is ever written. Below, Llama-3-8B's MLP up/gate layer (4096 in, 14336 out)
+in <<dtype>> over M rows of x: the fused kernel against dequantize + `F.linear` (cuBLAS) and
+bitsandbytes' own 4-bit matmul, by the repository's benchmark (`matmulbench.py`: GPU time per call
+from CUDA graphs over enough weight copies to be read from memory, the roofline measured here), and
+the fused result against dequantize + `F.linear`. `matmul.choose_route` picks one of the three per
+GPU and row count; its routes were measured on the H100 only, so on any other GPU, the <<gpu>>
+included, they are reasoned, not measured."""),
+    ("code", "matmul", r"""import matmul
+import matmulbench
+
+MATMUL_LAYER = (128, 64) if SMOKE else (4096, 14336)  # (in, out); smoke mode: a small weight of the same format
+MATMUL_ROWS = (1, 4) if SMOKE else (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Triton's interpreter computes tl.dot wrong for bf16 operands (tests/test_matmul.py): fp16 through it.
+MATMUL_DTYPE_NAME, MATMUL_DTYPE = ("fp16", torch.float16) if kernel.INTERPRET else (DTYPE_NAME, DTYPE)
+matmul_timer, matmul_points = matmulbench.notebook_points(
+    MATMUL_DTYPE_NAME, MATMUL_DTYPE, MATMUL_LAYER, MATMUL_ROWS, 3 if SMOKE else 5,
+    rooflines=None if SMOKE else rooflines, meta=None if SMOKE else meta)
+matmul_table = pd.DataFrame(matmul_points).set_index("M")
+matmul_layer = f"{MATMUL_LAYER[0]}x{MATMUL_LAYER[1]} (in x out), {MATMUL_DTYPE_NAME}"
+print(f"{matmul_layer}: {matmul_timer}; route: what matmul.choose_route picks here")
+print(matmul_table.drop(columns=["max_difference", "max_y"]).round(1).to_string())
+matmul_difference = matmul_table["max_difference"].max()
+matmul_largest = matmul_table["max_y"].max()
+print(f"fused kernel against dequantize + F.linear: largest |difference| {matmul_difference:.3g} "
+      f"(|y| up to {matmul_largest:.3g})")
+# Rounding and the order of sums (cuBLAS may reduce split-K partials in 16 bits) stay far below this; a wrong decode does not.
+assert matmul_difference <= 2**-5 * matmul_largest
+
+figure, ax = plt.subplots(figsize=(6, 4))
+for name in (*matmulbench.SHOWN, "roofline"):
+    if name in matmul_table:
+        ax.plot(matmul_table.index, matmul_table[name], marker="o", markersize=3, label=name,
+                **({"color": "black", "linestyle": "--"} if name == "roofline" else {}))
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("rows M")
+ax.set_ylabel(matmul_timer)
+ax.set_title(matmul_layer, fontsize=10)
+ax.grid(True, which="both", linewidth=0.3)
+ax.legend(fontsize=8)
+plt.close(figure)  # shown by display, as the explorer's view: bench_plots switched the backend to Agg
+display(figure)"""),
+    ("markdown", "explorer-intro", r"""## 8. Explorer
 Pick a shape, a dtype and a launch configuration; *time* re-measures ours, bitsandbytes and Unsloth fused on this GPU and draws them under the controls. Below them, the default view as a picture, which reads without a running kernel."""),  # noqa: E501
     ("code", "explorer", r"""import ipywidgets as widgets
 
@@ -342,7 +388,7 @@ else:
                           widgets.HBox([bpp_pick, warps_pick, tables_pick, button]), plot_area]))
     print("default view:")
     display(explorer_chart())"""),
-    ("markdown", "compile-intro", r"""## 8. torch.compile
+    ("markdown", "compile-intro", r"""## 9. torch.compile
 The kernel is a `torch.library` operator (`triton_op` + `wrap_triton`), so a compiled MLP forward traces through it with no graph break, and Inductor launches the same kernel."""),  # noqa: E501
     ("code", "compile", r"""import torch.nn.functional as nnf
 
@@ -385,7 +431,7 @@ if not SMOKE:
                                          only="dequantize_4bit_kernel")["compiled"] * 1e3
     print(f"one dequantize: eager {eager_call:.1f} us (do_bench); inside the compiled graph the kernel takes "
           f"{kernel_call:.1f} us (profiler)")"""),
-    ("markdown", "writeup", r"""## 9. Writeup
+    ("markdown", "writeup", r"""## 10. Writeup
 
 The challenge's marking, with what this run measured (the table below is computed from the cells
 above: it changes with the GPU that runs them)."""),
@@ -404,7 +450,7 @@ gpu = "no GPU (smoke mode)" if SMOKE else torch.cuda.get_device_name()
 asm_here = ("in the kernel that section 4 found bit-exact" if variant["USE_ASM"]
             else "not in this run's kernel: the interpreter runs the fallback arithmetic")
 if SMOKE:
-    speed = ptx = hints = "not measured in smoke mode"
+    speed = ptx = hints = matmul_speed = "not measured in smoke mode"
 else:
     harness = {r["implementation"]: r["median_us"] for r in rows if r["kind"] == "harness"}
     gpu_us = {(r["shape"], r["implementation"]): r["median_us"] for r in rows if r["kind"] == "kernel-gpu"}
@@ -419,14 +465,21 @@ else:
         speed = "not measured: Unsloth is not installed here"
     ptx = f"faster than the emulated fallback at {faster_with('asm')} swept configurations (section 6)"
     hints = f"faster than without at {faster_with('hints')} swept configurations (section 6)"
+    matmul_before = matmul_table[list(matmulbench.BEFORE)].min(axis=1)
+    matmul_faster = matmul_table.index[matmul_table["fused kernel"] < matmul_before].tolist()
+    matmul_speed = (f"GPU time below the best of bitsandbytes and dequantize + F.linear at {len(matmul_faster)} of "
+                    f"{len(matmul_table)} row counts (M = {', '.join(map(str, matmul_faster)) or 'none'}), at most "
+                    f"{(matmul_before / matmul_table['fused kernel']).max():.2f}x")
 display(Markdown(f'''| criterion | this run: {gpu} |
 |---|---|
 | single Triton kernel (+3) | one launch decodes the absmax and forms the weights (section 3) |
 | speedup vs Unsloth (>= 1.15: +5) | {speed} |
-| works in torch.compile (+1) | {explanation.graph_break_count} graph breaks; compiled output equal to eager bit for bit: {compiled_same_bits} (section 8) |
+| works in torch.compile (+1) | {explanation.graph_break_count} graph breaks; compiled output equal to eager bit for bit: {compiled_same_bits} (section 9) |
 | custom inline asm that works (+3) | `mul.rn.ftz.f32` / `add.rn.f32`, {asm_here}; {ptx} |
 | cache eviction hints (+1) | tables `evict_last`, outputs of 4x the L2 and more `evict_first`; {hints} |
-| tested in fp16 and bf16 (+1) | this notebook {DTYPE_NAME}: {int(table["bit_exact"].sum())} of {len(table)} cases bit-exact (section 4); the companion notebook <<other_dtype>>; the repository's tests both, and fp32 |'''))"""),  # noqa: E501
+| tested in fp16 and bf16 (+1) | this notebook {DTYPE_NAME}: {int(table["bit_exact"].sum())} of {len(table)} cases bit-exact (section 4); the companion notebook <<other_dtype>>; the repository's tests both, and fp32 |
+
+Beyond the marking, the fused matmul (section 7, {matmul_layer}): {matmul_speed}; its result within {matmul_difference:.3g} of dequantize + F.linear's.'''))"""),  # noqa: E501
     ("markdown", "limits", r"""**Not verified.** No T4 or L4 has run this code. The install cell is written for Colab and was
 run only in a Colab-like environment of the repository's tests, not in Colab. sm_75 and sm_89 take
 the H100's small-weight launch configuration until a sweep runs there; the sweep in section 6 picks

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 import dropin
 import kernel
+import matmul
 from helpers import assert_bit_exact, assert_unchanged, bit_exact, expected_values, linear4bit, quantize, snapshot
+from reference import linear_error_bound, linear_reference
 
 DTYPES = [torch.float16, torch.bfloat16]
 # Rows above bitsandbytes' fused-kernel range (1536): inference there is dequantize + matmul, so
@@ -78,6 +80,35 @@ def test_forward_and_backward(dtype, bias, device):
     if bias:
         assert_bit_exact(layer.bias.grad, grad.reshape(-1, 96).sum(0))
     assert_unchanged(packed, state, saved)
+
+
+def assert_fused_result(y, x, layer, route):
+    """The drop-in's fused inference result: nf4_linear's own through the same route, bit for bit,
+    and within the contract's bound of the exact product (tests/test_matmul.py)."""
+    assert_bit_exact(y, matmul.linear_by_route(x, layer.weight.data, layer.weight.quant_state, None, route))
+    weight = expected_weight(layer)
+    error = (y.cpu().double() - linear_reference(x, weight)).abs()
+    assert (error <= linear_error_bound(y, x, weight)).all()
+
+
+def test_inference_rows_through_the_fused_matmul(device, monkeypatch):
+    """Where the route is the fused matmul (forced here, so that the CPU's interpreter runs it in
+    fp16), inference computes through it; with a gradient, and with fused=False, bitsandbytes'
+    arithmetic stays."""
+    route = matmul.Route(16, "fused", matmul.MatmulConfig(16, 16, 64, 1, True, 4, 2, 0))
+    monkeypatch.setattr(dropin, "fused_route", lambda x, state: route)
+    layer, _, _ = linear4bit((96, 64), dtype=torch.float16, device=device, seed=7)
+    weight = expected_weight(layer)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(7)).half().to(device)
+    with torch.no_grad():
+        expected = layer(x)  # bitsandbytes' forward: on a GPU, its fused kernel at 3 rows
+    dropin.enable(layer)
+    with torch.no_grad():
+        assert_fused_result(layer(x), x, layer, route)
+    assert_bit_exact(layer(x.clone().requires_grad_()), F.linear(x, weight))
+    dropin.enable(layer, fused=False)
+    with torch.no_grad():
+        assert_bit_exact(layer(x), expected)
 
 
 def test_no_weight_kept_between_forward_and_backward(device):
@@ -464,20 +495,48 @@ def test_training_step_equals_bitsandbytes(dtype, bias):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3, 16, 200, 2000])
 def test_inference_equals_bitsandbytes(rows):
-    """Inference: where bitsandbytes uses its fused kernel its forward is kept (same bits); where
-    it dequantizes, ours gives its bits."""
+    """Inference with ``fused=False``: where bitsandbytes uses its fused kernel its forward is kept
+    (same bits); where it dequantizes, ours gives its bits."""
     layer = bitsandbytes_layer((1024, 512), torch.bfloat16, False)
     x = torch.randn(rows, 512, dtype=torch.bfloat16, device="cuda")
     calls = []
     with torch.inference_mode():
         expected = layer(x)
-        dropin.enable(layer, dequantize=counted(calls))
+        dropin.enable(layer, dequantize=counted(calls), fused=False)
         fused = dropin.bitsandbytes_fuses(x, torch.bfloat16, layer.weight.quant_state)
         got = layer(x)
     assert_bit_exact(got, expected)
     assert calls == ([] if fused else [1])
     if rows >= 2000:
         assert not fused
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [3, 8, 16, 200])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_inference_takes_the_route(rows, dtype):
+    """Inference on this GPU, by default: the fused matmul where its route picks it (the same
+    bits as nf4_linear's, within the contract's bound), eager and in one compiled graph; bitsandbytes'
+    bits elsewhere."""
+    from torch._dynamo.utils import counters
+
+    layer = bitsandbytes_layer((1024, 512), dtype, False)
+    x = torch.randn(rows, 512, dtype=dtype, device="cuda")
+    with torch.inference_mode():
+        expected = layer(x)
+        dropin.enable(layer)
+        got = layer(x)
+    route = dropin.fused_route(x, layer.weight.quant_state)
+    if route is None:
+        assert_bit_exact(got, expected)
+        return
+    assert_fused_result(got, x, layer, route)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        compiled = torch.compile(layer, fullgraph=True)(x)
+    assert not counters["graph_break"]
+    assert_bit_exact(compiled, got)
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])

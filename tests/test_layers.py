@@ -19,7 +19,7 @@ LAYERS = [
     ("benchmark helpers", ["bench_timing", "bench_weights", "bench_results", "bench_contenders", "bench_plots"]),
     ("benchmark sections", ["bench_kernels", "bench_harness", "bench_compile", "bench_sweep", "bench_forms", "modelbench",
                             "matmulbench"]),
-    ("benchmark commands", ["bench", "fsdp_qlora"]),
+    ("benchmark commands", ["bench", "fsdp_qlora", "servebench"]),
     ("notebooks", ["notebooks"]),
     ("test helpers", ["reference", "helpers", "aot_compile", "aot_compile_matmul"]),
 ]

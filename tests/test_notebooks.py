@@ -14,7 +14,8 @@ import notebooks
 
 ROOT = notebooks.ROOT
 SECTIONS = ["## 1. Setup", "## 2. The format, derived", "## 3. The kernel", "## 4. Correctness", "## 5. Timing",
-            "## 6. Launch-parameter sweep", "## 7. Explorer", "## 8. torch.compile", "## 9. Writeup"]
+            "## 6. Launch-parameter sweep", "## 7. The fused matmul", "## 8. Explorer", "## 9. torch.compile",
+            "## 10. Writeup"]
 
 
 def load(name):
@@ -125,6 +126,9 @@ def test_run_all_in_smoke_mode_alone(name, tmp_path, monkeypatch):
     assert "hand decode == bitsandbytes, bit for bit: True" in text
     assert "graph breaks: 0" in text
     assert "compiled dequantize == eager, bit for bit: True" in text
+    assert "fused kernel against dequantize + F.linear: largest |difference|" in text  # the cell asserts its bound
+    matmul_chart = next(cell for cell in notebook.cells if cell.id == "matmul").outputs[-1]
+    assert "image/png" in matmul_chart.data
     writeup = next(cell for cell in notebook.cells if cell.id == "writeup-table").outputs[0].data["text/markdown"]
     assert "| works in torch.compile (+1) | 0 graph breaks; compiled output equal to eager bit for bit: True" in writeup
     # What the %%writefile cells wrote is what they hold, byte for byte.

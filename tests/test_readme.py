@@ -1,6 +1,7 @@
-"""The README's measured numbers against the files in results/ they come from: its first table (the
-versions above it, the harness, kernel GPU times, the QLoRA and FSDP steps) and the model table, each
-parsed and recomputed from the CSVs."""
+"""The README's measured numbers against the files in results/ they come from: its first two tables
+(serving and QLoRA at real sizes; the versions above them, the harness, kernel GPU times, the
+host-bound QLoRA and FSDP steps), the serving table and the model table, each parsed and recomputed
+from the CSVs."""
 
 import csv
 import os
@@ -58,20 +59,76 @@ def headline_numbers():
     steps = [row for row in rows(model) if row["kind"].startswith("qlora-step")]
     time = {(row["model"], row["dtype"], row["kind"], row["implementation"]): float(row["median_ms"]) for row in steps}
     speedups = [time[case[:3] + ("bitsandbytes",)] / value for case, value in time.items() if case[3] == "nf4-triton"]
-    expected["QLoRA step, Llama-style 4-bit model"] = ([f"{min(speedups):.2f}", f"{max(speedups):.2f}"],
+    expected["QLoRA step, small model (2048x5632, 4 layers): host-bound"] = ([f"{min(speedups):.2f}", f"{max(speedups):.2f}"],
                                                        [f"all {len(speedups)} cases"])
     fsdp = rows(os.path.join(H200, "fsdp.csv"))
     step = {(row["model"], row["implementation"]): float(row["median_step_ms"]) for row in fsdp}
     speedups = [value / step[model_name, "nf4-triton"] for (model_name, name), value in step.items()
                 if name.startswith("bitsandbytes")]
     assert {(row["gpu"], row["world_size"]) for row in fsdp} == {("NVIDIA H200", "2")}  # "two H200s"
-    expected["FSDP QLoRA step, two H200s"] = ([f"{min(speedups):.2f}", f"{max(speedups):.2f}"], ["FSDP1"])
+    expected["FSDP QLoRA step, two H200s, small models: host-bound"] = (
+        [f"{min(speedups):.2f}", f"{max(speedups):.2f}"], ["FSDP1"])
     return expected
+
+
+def serve(dtype):
+    """{(kind, tokens, implementation): row} of servebench's CSV for ``dtype``, and bitsandbytes' time
+    over each row's ("x" speedups)."""
+    found = {(row["kind"], row["tokens"], row["implementation"]): row for row in rows(os.path.join(H100, f"serve_{dtype}.csv"))}
+    speedup = {key: float(found[key[:2] + ("bitsandbytes",)]["median_ms"]) / float(row["median_ms"])
+               for key, row in found.items() if key[0] in ("decode", "prefill", "qlora-step", "qlora-step-checkpointed")}
+    return found, speedup
+
+
+DECODE = [f"{batch}x128+128" for batch in (1, 8, 32, 64)]
+PREFILL = ["1x128", "1x512", "8x512", "1x2048"]
+
+
+def test_serving_headline_is_the_results():
+    """The first table: bf16 ratios and tokens/s of the drop-in, and fp16 within 0.02x of them."""
+    first = tables(readme())[0]
+    assert first[0] == ["bf16 (fp16 within 0.02x)", "drop-in over bitsandbytes' own layers"]
+    found, speedup = serve("bf16")
+    _, fp16 = serve("fp16")
+    ours = "nf4-triton"
+    decode, prefill, train = (row[1] for row in first[1:])
+    assert decimals(decode) == [f"{speedup['decode', t, ours]:.2f}" for t in DECODE]
+    assert re.findall(r"\((.*) tokens/s\)", decode)[0] == " / ".join(
+        f"{float(found['decode', t, ours]['tokens_per_s']):.0f}" for t in DECODE)
+    assert decimals(prefill) == [f"{speedup['prefill', t, ours]:.2f}" for t in PREFILL]
+    assert decimals(train) == [f"{speedup[kind, '4x1024', ours]:.2f}" for kind in ("qlora-step", "qlora-step-checkpointed")]
+    assert all(abs(fp16[key] - value) <= 0.02 + 1e-9 for key, value in speedup.items() if key[2] == ours)
+    assert all(found[kind, "4x1024", ours]["loss_equal_bitsandbytes"] == "True"
+               for kind in ("qlora-step", "qlora-step-checkpointed"))
+
+
+def test_serving_table_is_the_results():
+    (table,) = [table for table in tables(readme()) if table[0][:2] == ["case", "bitsandbytes"]]
+    found, speedup = serve("bf16")
+    names = ["bitsandbytes", "nf4-triton", "nf4-triton (no fused matmul)"]
+    cases = [("decode", t) for t in DECODE] + [("prefill", t) for t in PREFILL] + [
+        ("qlora-step", "4x1024"), ("qlora-step-checkpointed", "4x1024")]
+    assert len(table) - 1 == len(cases)
+    for (kind, tokens), row in zip(cases, table[1:]):
+        for name, cell in zip(names, row[1:]):
+            if not cell:
+                continue
+            measured = found[kind, tokens, name]
+            numbers = re.findall(r"\d+(?:\.\d+)?", cell.replace(", ", " "))
+            if kind == "decode":
+                assert numbers[0] == f"{float(measured['tokens_per_s']):.0f}", (kind, tokens, name)
+            else:
+                value = float(measured["median_ms"])
+                assert numbers[0] == (f"{value:.1f}" if value >= 10 else f"{value:.2f}"), (kind, tokens, name)
+            if name != "bitsandbytes":
+                assert f"{speedup[kind, tokens, name]:.2f}x" in cell, (kind, tokens, name)
+            if "MiB" in cell:
+                assert f"{float(measured['peak_mib']):.0f} MiB" in cell
 
 
 def test_headline_table_is_the_results():
     text = readme()
-    first = tables(text)[0]
+    first = tables(text)[1]
     numbers = headline_numbers()
     labels = [row[0] for row in first[1:]]
     for row in first[1:]:
