@@ -128,15 +128,8 @@ def plot_serve(folder):
         ax.set_ylabel("decode tokens/s (CUDA graph)")
         ax.set_title(f"{meta['model']}, {dtype}: decode", fontsize=10)
         ax.grid(True, which="both", linewidth=0.3)
-        timed = rows[rows["kind"].isin(["decode", "prefill", "qlora-step", "qlora-step-checkpointed"])].copy()
-        timed["case"] = timed["kind"].str.replace("qlora-step-checkpointed", "step+ckpt").str.replace(
-            "qlora-step", "step") + " " + timed["tokens"].str.split("+").str[0]
-        table = timed.pivot(index="case", columns="implementation", values="median_ms")
-        table = table.loc[list(dict.fromkeys(timed["case"])), list(dict.fromkeys(timed["implementation"]))]
-        (table["bitsandbytes"].to_numpy()[:, None] / table).plot.bar(ax=axes[1, column], rot=45, legend=False)
-        axes[1, column].axhline(1, color="black", linewidth=0.8, linestyle="--")
-        axes[1, column].set_ylabel("speed over bitsandbytes' Linear4bit (x)")
-        axes[1, column].set_xlabel("")
+        timed = rows[rows["kind"].isin(["decode", "prefill", "qlora-step", "qlora-step-checkpointed"])]
+        _speed_bars(axes[1, column], timed, timed["tokens"].str.split("+").str[0], rot=45)
     written = [_save_with_legend_below(plt, fig, axes, os.path.join(folder, "serve.png"), run_line(meta), ncol=None,
                                        fontsize=9, bottom=0.06, dpi=90)]
     losses = frame[frame["kind"] == "loss"]
@@ -150,6 +143,17 @@ def plot_serve(folder):
     written.append(_save_with_legend_below(plt, fig, axes, os.path.join(folder, "serve_losses.png"), run_line(meta),
                                            ncol=None, fontsize=9, bottom=0.1, dpi=90))
     return written
+
+
+def _speed_bars(ax, rows, tokens, rot):
+    """Bars of each contender's speed over bitsandbytes' (its median time over theirs) per case, a case
+    being a row's kind and ``tokens``; the legend is left to the figure."""
+    case = rows["kind"].str.replace("qlora-step-checkpointed", "step+ckpt").str.replace("qlora-step", "step") + " " + tokens
+    table = rows.assign(case=case).pivot(index="case", columns="implementation", values="median_ms")
+    table = table.loc[list(dict.fromkeys(case)), list(dict.fromkeys(rows["implementation"]))]
+    (table["bitsandbytes"].to_numpy()[:, None] / table).plot.bar(ax=ax, rot=rot, legend=False)
+    ax.axhline(1, color="black", linewidth=0.8, linestyle="--")
+    ax.set_ylabel("speed over bitsandbytes' Linear4bit (x)")
 
 
 def _save_with_legend_below(plt, fig, axes, path, title, *, ncol, fontsize, bottom, dpi):
@@ -166,19 +170,12 @@ def _save_with_legend_below(plt, fig, axes, path, title, *, ncol, fontsize, bott
 def plot_model(frame, path, plt):
     """End to end: time per prefill and per QLoRA step, each contender over bitsandbytes' own
     (a bar per contender, a panel per model and dtype)."""
-    frame = frame[frame["kind"] != "crossover"].copy()
-    frame["case"] = frame["kind"].str.replace("qlora-step-checkpointed", "step+ckpt").str.replace(
-        "qlora-step", "step") + " " + frame["tokens"]
+    frame = frame[frame["kind"] != "crossover"]
     groups = list(frame.groupby(["model", "dtype"], sort=False))
     fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4.5), squeeze=False)
     for ax, ((model, dtype), rows) in zip(axes.flat, groups):
-        table = rows.pivot(index="case", columns="implementation", values="median_ms")
-        table = table.loc[list(dict.fromkeys(rows["case"]))]
-        (table["bitsandbytes"].to_numpy()[:, None] / table).plot.bar(ax=ax, rot=30)
-        ax.axhline(1, color="black", linewidth=0.8, linestyle="--")
+        _speed_bars(ax, rows, rows["tokens"], rot=30)
         ax.set_title(f"{model} {dtype}", fontsize=9)
-        ax.set_ylabel("speed over bitsandbytes' Linear4bit (x)")
-        ax.get_legend().remove()  # one legend below the panels: inside one it covered the tallest bars
     meta = frame.iloc[0]
     title = f"Llama-style model, 4-bit NF4 (hidden x intermediate x layers) | {run_line(meta)}"
     return _save_with_legend_below(plt, fig, axes, path, title, ncol=None, fontsize=8, bottom=0.07, dpi=100)

@@ -29,8 +29,8 @@ import quantstate
 from fastpath import INTERPRET, device_facts, jit
 from kernel import TL_DTYPE, add_rn, decode, fp32_to_bf16_rne, lookup, mul_ftz
 
-__all__ = ["nf4_linear", "linear_by_route", "choose_route", "Route", "MatmulConfig", "MATMUL_ROUTES", "nf4_matmul_kernel",
-           "split_k_reduce_kernel"]
+__all__ = ["nf4_linear", "linear_by_route", "decoded_weight", "choose_route", "Route", "MatmulConfig", "MATMUL_ROUTES",
+           "nf4_matmul_kernel", "split_k_reduce_kernel"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -456,7 +456,7 @@ def linear_by_route(x, packed, qs, bias, route):
 
         return bitsandbytes.matmul_4bit(x2d, packed, quant_state=qs, bias=bias).reshape(*lead, out_features)
     if path == "dequantize":
-        return F.linear(x, _decoded_weight(packed, qs, x.dtype), bias)
+        return F.linear(x, decoded_weight(packed, qs, x.dtype), bias)
     if torch.compiler.is_compiling():
         absmax, code, absmax2, code2, offset = tables
         y = torch.ops.nf4_triton.linear(x2d, packed.view(torch.uint8), absmax, code, absmax2, code2, offset, bias,
@@ -469,7 +469,7 @@ def linear_by_route(x, packed, qs, bias, route):
     return y.reshape(*lead, out_features)
 
 
-def _decoded_weight(packed, qs, dtype):
+def decoded_weight(packed, qs, dtype):
     """W (out, in) in ``dtype``, each value rounded once from its fp32 decode."""
     if qs.dtype is not dtype:
         qs = copy.copy(qs)  # the caller's state is not touched

@@ -21,7 +21,6 @@ A contender whose step cannot be captured is timed eager, and its rows say so.
 """
 
 import argparse
-import copy
 import functools
 import os
 import time
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 import bench_results
 import bench_timing
 import dropin
-import kernel
+import matmul
 import modelbench
 import quantstate
 
@@ -72,10 +71,8 @@ def unsloth_override():
 def _reference_forward(module, x):
     """The layer in fp32: W decoded to fp32, ``F.linear`` of fp32 operands, one rounding to x's dtype."""
     packed, state = quantstate.resolve(module.weight, module.weight.quant_state)
-    state = copy.copy(state)  # the layer's own state is not touched
-    state.dtype = torch.float32
     bias = None if module.bias is None else module.bias.float()
-    return F.linear(x.float(), kernel.dequantize_nf4(packed, state), bias).to(x.dtype)
+    return F.linear(x.float(), matmul.decoded_weight(packed, state, torch.float32), bias).to(x.dtype)
 
 
 class Router:
