@@ -371,16 +371,17 @@ def linear_share(model, fn):
 
 
 def bench_share(model, router, names, dtype_name, meta, log):
-    """``linear_share`` of a decode step at batch 8 and of a 1x512 prefill, per contender."""
+    """``linear_share`` of a decode step at batch 1 and 8 and of a 1x512 prefill, per contender."""
     rows = []
-    decoder = Decoder(model, 8)
+    decoders = {batch: Decoder(model, batch) for batch in (1, 8)}
     ids = torch.randint(0, model.config.vocab_size, (1, 512), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(6))
-    cases = {"decode 8": decoder.step, "prefill 1x512": lambda: model(input_ids=ids, logits_to_keep=1)}
+    cases = {"decode 1": (decoders[1], decoders[1].step), "decode 8": (decoders[8], decoders[8].step),
+             "prefill 1x512": (decoders[8], lambda: model(input_ids=ids, logits_to_keep=1))}
     with torch.no_grad():
         for name in names:
             router(model, name)
-            for case, fn in cases.items():
+            for case, (decoder, fn) in cases.items():
                 decoder.prefill()
                 share, kernel_ms, ranges, top = linear_share(model, fn)
                 rows.append(dict(meta, kind="linear-share", dtype=dtype_name, tokens=case, implementation=name,
@@ -388,7 +389,7 @@ def bench_share(model, router, names, dtype_name, meta, log):
     log(f"share of kernel time in the 4-bit linears, {dtype_name}: " + ", ".join(
         f"{r['implementation']} {r['tokens']} {100 * r['linear_share']:.0f} % of {r['kernel_ms']:.2f} ms "
         f"({r['linear_ranges']} ranges: {r['linear_kernels_us']})" for r in rows))
-    del decoder
+    del decoders
     return rows
 
 
