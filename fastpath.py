@@ -129,7 +129,7 @@ class _LaunchRecorder:
 def _direct_launch(run, grid, function, metadata, args, stream):
     """(C launch function, the extra arguments the launcher forwards, whether the kernel's
     arguments go as one tuple), or None unless two recordings show one forwarding call each, with
-    the same extras both times (no buffer made per call)."""
+    the same extras both times (no buffer made per call). ``grid``: (x, y, z)."""
     launch = getattr(run, "launch", None)
     if not callable(launch) or any(getattr(run, name, 0) for name in
                                    ("global_scratch_size", "profile_scratch_size", "gsan_enabled")):
@@ -138,13 +138,13 @@ def _direct_launch(run, grid, function, metadata, args, stream):
     for _ in range(2):
         recorder = _LaunchRecorder(run)
         try:
-            type(run).__call__(recorder, grid, 1, 1, stream, function, metadata, None, None, None, *args)
+            type(run).__call__(recorder, *grid, stream, function, metadata, None, None, None, *args)
         except Exception:  # a launcher this recording does not understand: keep Triton's
             return None
         if len(recorder._forwarded) != 1:
             return None
         forwarded = recorder._forwarded[0]
-        if forwarded[:5] != (grid, 1, 1, stream, function):
+        if forwarded[:5] != (*grid, stream, function):
             return None
         as_tuple = type(forwarded[-1]) is tuple and forwarded[-1] == args
         if not as_tuple and forwarded[-len(args):] != args:  # args is never empty (out_ptr)
@@ -158,9 +158,9 @@ def _direct_launch(run, grid, function, metadata, args, stream):
 
 
 def kernel_launcher(compiled, grid, head, tail, stream, input_ptr, out_ptr):
-    """f(stream, input_ptr, out_ptr): launches ``compiled`` on ``grid`` with the arguments
-    ``input_ptr``, ``head``, ``out_ptr``, ``tail`` (integers), through Triton's C launch function
-    directly where that is safe.
+    """f(stream, input_ptr, out_ptr): launches ``compiled`` on ``grid`` (programs along x, or an
+    (x, y, z) tuple) with the arguments ``input_ptr``, ``head``, ``out_ptr``, ``tail`` (integers),
+    through Triton's C launch function directly where that is safe.
 
     Triton's Python launcher (``compiled.run``) prepares scratch buffers per call and then calls
     its C launch function; with no scratch buffers its call is a plain forwarding call, so the
@@ -169,21 +169,22 @@ def kernel_launcher(compiled, grid, head, tail, stream, input_ptr, out_ptr):
     launch just made: the recording runs the launcher's Python with them, so a launcher that
     launched by some other route would only repeat that launch."""
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-    direct = _direct_launch(run, grid, function, metadata, (input_ptr,) + head + (out_ptr,) + tail, stream)
+    gx, gy, gz = (grid, 1, 1) if isinstance(grid, int) else grid
+    direct = _direct_launch(run, (gx, gy, gz), function, metadata, (input_ptr,) + head + (out_ptr,) + tail, stream)
     if direct is None:
         def via_triton(stream, input_ptr, out_ptr):
-            run(grid, 1, 1, stream, function, metadata, None, None, None, input_ptr, *head, out_ptr, *tail)
+            run(gx, gy, gz, stream, function, metadata, None, None, None, input_ptr, *head, out_ptr, *tail)
 
         return via_triton
     launch, extras, as_tuple = direct
     if as_tuple:  # Triton 3.7 to 3.9: the kernel's arguments as one tuple
         def direct_as_tuple(stream, input_ptr, out_ptr):
-            launch(grid, 1, 1, stream, function, *extras, (input_ptr, *head, out_ptr, *tail))
+            launch(gx, gy, gz, stream, function, *extras, (input_ptr, *head, out_ptr, *tail))
 
         return direct_as_tuple
 
     def direct(stream, input_ptr, out_ptr):  # Triton 3.3 to 3.6: the kernel's arguments spread out
-        launch(grid, 1, 1, stream, function, *extras, input_ptr, *head, out_ptr, *tail)
+        launch(gx, gy, gz, stream, function, *extras, input_ptr, *head, out_ptr, *tail)
 
     return direct
 

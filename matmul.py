@@ -30,7 +30,7 @@ from fastpath import INTERPRET, device_facts, jit
 from kernel import TL_DTYPE, add_rn, decode, fp32_to_bf16_rne, lookup, mul_ftz
 
 __all__ = ["nf4_linear", "linear_by_route", "decoded_weight", "choose_route", "Route", "MatmulConfig", "MATMUL_ROUTES",
-           "nf4_matmul_kernel", "split_k_reduce_kernel"]
+           "LAUNCHES", "nf4_matmul_kernel", "split_k_reduce_kernel"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,12 +338,31 @@ def choose_route(capability, rows, in_features, out_features):
     return _DEQUANTIZE
 
 
-def _run(kernel_fn, grid, args, options):
-    """A launch: Triton's JIT, or its interpreter one launch at a time (its grid is process-wide)."""
+def _run(kernel_fn, grid, args, options, out_at=None):
+    """A launch: Triton's JIT, or its interpreter one launch at a time (its grid is process-wide).
+    With ``out_at`` on the GPU, returns f(stream, input_ptr, out_ptr) that launches the same kernel
+    again with ``input_ptr`` for ``args[0]``, ``out_ptr`` for ``args[out_at]`` and every other
+    argument as now (``fastpath.kernel_launcher``)."""
     if INTERPRET:
         fastpath.interpret(kernel_fn, grid, args, options)
-    else:
-        kernel_fn[grid](*args, **options)
+        return None
+    compiled = kernel_fn[grid](*args, **options)
+    if out_at is None:
+        return None
+    values = [arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args]
+    constexprs = tuple(options[name] for name in kernel_fn.arg_names[len(args):])
+    return fastpath.kernel_launcher(compiled, grid, tuple(values[1:out_at]), tuple(values[out_at + 1:]) + constexprs,
+                                    torch._C._cuda_getCurrentRawStream(args[0].device.index), values[0],
+                                    values[out_at])
+
+
+# The fused matmul's launches, by everything they read but x and the output (the weight's and the
+# bias' addresses, the sizes, x's row stride, the alignments Triton specializes on, the config): a
+# repeated call replays them without Triton's argument binding. Host time a call through the
+# drop-in at 8 rows, one H100 host: 237 us without, 131 with (bitsandbytes' forward 127; NOTES.md
+# item 76). Under NF4_TRITON_PLANS=0 none is kept.
+LAUNCHES = {}
+MOST_LAUNCHES = 4096
 
 
 def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2, nested, fp4, config,
@@ -361,9 +380,27 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
     code_lookup = config.lookup if kernel.TRITON_COMPILES_SHARED_TABLES else 0  # gathers compile from Triton 3.4
     steps = triton.cdiv(k, config.block_k)
     split_k = max(split for split in range(1, config.split_k + 1) if steps % split == 0)
+    key = None
+    if not INTERPRET and fastpath.ENABLED and not fastpath.launch_hooks_active():
+        device = x2d.device.index
+        key = (device, x2d.dtype, m, n, k, x2d.stride(0), x2d.data_ptr() % 16, out.data_ptr() % 16, packed.data_ptr(),
+               absmax.data_ptr(), code.data_ptr(), absmax2.data_ptr(), code2.data_ptr(), offset.data_ptr(),
+               None if bias is None else bias.data_ptr(), blocksize, blocksize2, nested, fp4, config, use_asm,
+               bf16_via_int, code_lookup)
+        launches = LAUNCHES.get(key) if torch._C._cuda_getDevice() == device else None
+        if launches is not None:
+            stream = torch._C._cuda_getCurrentRawStream(device)
+            fused, reduce = launches
+            if reduce is None:
+                fused(stream, x2d.data_ptr(), out.data_ptr())
+            else:
+                partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x2d.device)
+                fused(stream, x2d.data_ptr(), partial.data_ptr())
+                reduce(stream, partial.data_ptr(), out.data_ptr())
+            return out
     target = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x2d.device)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split_k)
-    _run(nf4_matmul_kernel, grid, (
+    fused = _run(nf4_matmul_kernel, grid, (
         x2d, packed, absmax, code, absmax2, code2, offset, bias if bias is not None else out, target,
         m, n, k, x2d.stride(0)), dict(
         BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, FP4=fp4, X_DTYPE=x_dtype,
@@ -371,13 +408,19 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
         STEPS_PER_SPLIT=steps // split_k, DOT=config.dot,
         HAS_BIAS=bias is not None and split_k == 1, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int,
         LOOKUP=code_lookup, EVEN=n % config.block_n == 0 and k % config.block_k == 0,
-        USE_INT64=n * k > 2**31 - 1, num_warps=config.num_warps, num_stages=config.num_stages))
+        USE_INT64=n * k > 2**31 - 1, num_warps=config.num_warps, num_stages=config.num_stages),
+        out_at=None if key is None else 8)
+    reduce = None
     if split_k > 1:
         block = 1024
-        _run(split_k_reduce_kernel, (triton.cdiv(m * n, block),), (
+        reduce = _run(split_k_reduce_kernel, (triton.cdiv(m * n, block), 1, 1), (
             target, bias if bias is not None else out, out, m * n, n), dict(
             SPLIT_K=split_k, HAS_BIAS=bias is not None, OUT_DTYPE=x_dtype, BF16_VIA_INT=bf16_via_int, BLOCK=block,
-            num_warps=4))
+            num_warps=4), out_at=None if key is None else 2)
+    if key is not None and torch._C._cuda_getDevice() == key[0]:
+        if len(LAUNCHES) >= MOST_LAUNCHES:
+            LAUNCHES.clear()
+        LAUNCHES[key] = (fused, reduce)
     return out
 
 

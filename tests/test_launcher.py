@@ -67,7 +67,7 @@ class OtherPathLauncher(Launcher):
 
     def __call__(self, grid_x, grid_y, grid_z, stream, function, *args):
         self.calls += 1
-        self.launched.append(("other", grid_x, stream, *args))
+        self.launched.append(("other", grid_x, grid_y, grid_z, stream, *args))
 
 
 class SelfCheckingLauncher(Launcher):
@@ -84,20 +84,20 @@ FIRST = (77, 1024, 4096)  # (stream, packed_ptr, out_ptr) of the launch the plan
 LATER = (78, 2048, 8192)  # a later call's: the packed bytes moved, another output
 
 
-def launched_by_triton(launcher_type, stream, packed_ptr, out_ptr):
+def launched_by_triton(launcher_type, stream, packed_ptr, out_ptr, grid=(5, 1, 1)):
     """What the C launch function receives when Triton's launcher itself is called."""
     launcher = launcher_type()
     compiled = Compiled(launcher)
-    launcher(5, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, packed_ptr, *HEAD,
+    launcher(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, packed_ptr, *HEAD,
              out_ptr, *TAIL)
     return launcher.launched
 
 
-def launched_by_plan(launcher_type):
+def launched_by_plan(launcher_type, grid=5):
     """The plan's launch function for a launcher, what the launcher launched while it was built,
     and what a later call through it launched, with the number of Triton launcher calls it took."""
     launcher = launcher_type()
-    launch = fastpath.kernel_launcher(Compiled(launcher), 5, HEAD, TAIL, *FIRST)
+    launch = fastpath.kernel_launcher(Compiled(launcher), grid, HEAD, TAIL, *FIRST)
     while_built = list(launcher.launched)
     launcher.launched.clear()
     calls_before = launcher.calls
@@ -118,14 +118,17 @@ def comparable(calls, fresh_objects):
     (OtherPathLauncher, "via_triton"),
     (SelfCheckingLauncher, "via_triton"),
 ], ids=lambda value: value if isinstance(value, str) else value.__name__)
-def test_plan_launch_forwards_what_triton_would(launcher_type, path):
-    name, while_built, later, triton_calls = launched_by_plan(launcher_type)
+@pytest.mark.parametrize("grid", [5, (5, 3, 2)], ids=["1d", "3d"])
+def test_plan_launch_forwards_what_triton_would(launcher_type, path, grid):
+    name, while_built, later, triton_calls = launched_by_plan(launcher_type, grid)
+    grid3 = (grid, 1, 1) if isinstance(grid, int) else grid
     fresh_objects = launcher_type in (ScratchLauncher, FreshObjectLauncher)
     assert name == path
     assert triton_calls == (1 if path == "via_triton" else 0)
-    # A later call launches exactly what Triton's launcher would for it.
-    assert comparable(later, fresh_objects) == comparable(launched_by_triton(launcher_type, *LATER), fresh_objects)
+    # A later call launches exactly what Triton's launcher would for it, on every grid axis.
+    assert comparable(later, fresh_objects) == comparable(launched_by_triton(launcher_type, *LATER, grid=grid3),
+                                                          fresh_objects)
     # Building it launches nothing, or (a launcher that launches by another route) repeats the
     # launch it was built after, never one with other arguments.
-    assert all(call == launched_by_triton(launcher_type, *FIRST)[0] for call in while_built)
+    assert all(call == launched_by_triton(launcher_type, *FIRST, grid=grid3)[0] for call in while_built)
     assert while_built == [] or launcher_type is OtherPathLauncher

@@ -275,3 +275,34 @@ def test_gpu_graph_capture_replays_the_same():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [C(16, 32, 128, 2, True, 4, 2, 2), C(16, 16, 64, 1, True, 4, 2, 1),
+                                    C(1, 16, 64, 2, False, 4, 2, 0)], ids=str)
+def test_gpu_replayed_launches_equal_triton_launches(config):
+    """A repeated call replays the launches its first call recorded (``matmul.LAUNCHES``): for a
+    new x, a new output, each of two weights of one shape, with and without bias, split-K or not,
+    the replay runs and its result equals Triton's own launch of the same call."""
+    dtype = torch.bfloat16
+    weights = [quantize((136, 1024), dtype=dtype, device="cuda", seed=seed) for seed in (1, 2)]
+    bias = torch.randn(136, device="cuda", dtype=dtype)
+    replays = []
+
+    def counted(launch_fn):
+        def replay(*args):
+            replays.append(launch_fn)
+            return launch_fn(*args)
+        return replay
+
+    matmul.LAUNCHES.clear()
+    for (packed, state), case_bias in itertools.product(weights, (None, bias)):
+        launch(torch.randn(3, 1024, device="cuda", dtype=dtype), packed, state, config, case_bias)  # records
+        for key, launches in list(matmul.LAUNCHES.items()):
+            matmul.LAUNCHES[key] = tuple(None if fn is None else counted(fn) for fn in launches)
+        x = torch.randn(3, 1024, device="cuda", dtype=dtype)
+        before = len(replays)
+        replayed = launch(x, packed, state, config, case_bias)
+        assert len(replays) == before + (1 if config.split_k == 1 else 2)
+        matmul.LAUNCHES.clear()
+        assert torch.equal(replayed, launch(x, packed, state, config, case_bias))  # Triton's own launch
