@@ -359,7 +359,7 @@ def _run(kernel_fn, grid, args, options, out_at=None):
 # The fused matmul's launches, by everything they read but x and the output (the weight's and the
 # bias' addresses, the sizes, x's row stride, the alignments Triton specializes on, the config): a
 # repeated call replays them without Triton's argument binding. Host time a call through the
-# drop-in at 8 rows, one H100 host: 237 us without, 131 with (bitsandbytes' forward 127; NOTES.md
+# drop-in at 8 rows, one H100 host: 93 us with, 280 without (bitsandbytes' forward 97; NOTES.md
 # item 76). Under NF4_TRITON_PLANS=0 none is kept.
 LAUNCHES = {}
 MOST_LAUNCHES = 4096
