@@ -10,6 +10,9 @@ Two shapes of program, both over bitsandbytes' layout as it is (no repack):
   transposed, so a few rows of ``x`` only pad the narrow side of the product;
 - FMA: one row of ``x`` per program, each decoded weight multiplied into fp32 accumulators that
   are reduced along K at the end.
+- MMA (``mma.py``, Gluon): the weight decoded straight into ``mma.sync``'s register fragments, the
+  code values by warp shuffle: no shared memory. The fastest wherever Gluon runs (Triton 3.6 on,
+  sm_80 on, fp16 and bf16); the two ``tl`` shapes serve the rest.
 Where N alone does not fill the GPU, ``SPLIT_K`` programs share a row of outputs: each writes its
 fp32 partial sums and a second small kernel adds them in a fixed order (deterministic), adds the
 bias and casts.
@@ -25,6 +28,7 @@ import triton.language as tl
 
 import fastpath
 import kernel
+import mma
 import quantstate
 from fastpath import INTERPRET, device_facts, jit
 from kernel import TL_DTYPE, add_rn, decode, fp32_to_bf16_rne, lookup, mul_ftz
@@ -280,6 +284,7 @@ class MatmulConfig(typing.NamedTuple):
     num_warps: int
     num_stages: int = 2
     lookup: int = 2  # 0 global codebook, 1 per-block product tables, 2 byte pairs (1, 2: shared memory, Triton >= 3.4)
+    mma: bool = False  # mma.py's Gluon kernel (dot, num_stages and lookup unused; block_m a multiple of 8)
 
 
 class Route(typing.NamedTuple):
@@ -299,9 +304,10 @@ class Route(typing.NamedTuple):
 C = MatmulConfig
 _M = 1 << 20
 # Compute capability -> routes, the first one a call fits wins (else dequantize + cuBLAS).
+# The tl kernels' table, for calls mma.py's kernel cannot run (Triton before 3.6, fp32 x, sm_75).
 # sm_90: the fastest path at each point of the H100 sweep in bf16 (CUDA-graph GPU time per call,
 # ``matmulbench.py --sweep``; NOTES.md item 70), us for bitsandbytes / dequantize + cuBLAS / fused:
-MATMUL_ROUTES = {
+TL_ROUTES = {
     (9, 0): (
         # its GEMV at one row, its small-batch kernel at two: 29.3 / 100.3 / 36.8 and 44.4 / 100.3 / 51.1 at 4096x14336
         Route(2, "bitsandbytes"),
@@ -323,15 +329,53 @@ MATMUL_ROUTES = {
 # Reasoned, not measured (no T4, A100 or L4 has run it): the fused kernel up to 16 rows, where it
 # reads the least memory per result, the narrow tile of the H100's small layers; dequantize + cuBLAS
 # beyond. bf16 on sm_75 has no tensor-core product: nf4_linear dequantizes there.
-DEFAULT_ROUTES = (Route(16, "fused", C(16, 32, 256, 4, True, 4, 2, 1)),)
-MATMUL_ROUTES.update({capability: DEFAULT_ROUTES for capability in ((7, 5), (8, 0), (8, 6), (8, 9))})
+TL_DEFAULT_ROUTES = (Route(16, "fused", C(16, 32, 256, 4, True, 4, 2, 1)),)
+TL_ROUTES.update({capability: TL_DEFAULT_ROUTES for capability in ((7, 5), (8, 0), (8, 6), (8, 9))})
+# Where mma.py's kernel runs. sm_90: the fastest path at each point of the H100 sweep in bf16 (Triton
+# 3.6.0, CUDA-graph GPU time per call, NOTES.md item 77), us for bitsandbytes / dequantize + cuBLAS /
+# the tl kernel's route / mma.py's:
+_MMA_TILE = C(8, 64, 256, 8, True, 4, mma=True)._replace  # the 8-row tile, varied below
+MATMUL_ROUTES = {
+    (9, 0): (
+        # one row: 29.6 / 100.7 / - / 24.0 at 4096x14336, 30.1 / 100.3 / - / 25.5 at 14336x4096; below 56M
+        # weights its GEMV: 10.8 / 25.9 / - / 11.4 at 4096x4096, 7.0 / 11.3 / - / 8.4 at 4096x1024
+        Route(1, "fused", _MMA_TILE(), min_weight=56 * _M),
+        Route(1, "bitsandbytes"),
+        # 66.9 / 100.2 / 49.5 / 27.9 at 4096x14336, M=8; 124.3 / 100.1 / 47.8 / 27.7 at 14336x4096; 37.4 / 25.0 /
+        # 17.8 / 12.0 at 4096x4096; 17.5 / 11.3 / 10.5 / 8.5 at 4096x1024
+        Route(8, "fused", _MMA_TILE()),
+        # 16 rows: the 8-row tile over 16 (not swept at 16 rows)
+        Route(16, "fused", _MMA_TILE(block_m=16)),
+        # 69.9 / 98.8 / - / 38.4 at 4096x14336, M=32; 125.0 / 100.3 / - / 38.2 at 14336x4096; 36.4 / 24.8 / - /
+        # 15.9 at 4096x4096; 17.7 / 11.6 / - / 10.2 at 4096x1024
+        Route(32, "fused", _MMA_TILE(block_m=32, block_n=128, split_k=2), min_weight=56 * _M, min_out=14336),
+        Route(32, "fused", _MMA_TILE(block_m=32, block_n=128, block_k=64, split_k=16), min_weight=56 * _M),
+        Route(32, "fused", _MMA_TILE(block_m=32, block_k=64)),
+        # 123.2 / 99.0 / 60.9 / 51.9 at 4096x14336, M=64; 125.8 / 101.7 / 81.6 / 60.4 at 14336x4096; 36.6 / 24.7
+        # / - / 19.8 at 4096x4096; 18.4 / 12.5 / - / 12.4 at 4096x1024
+        Route(64, "fused", _MMA_TILE(block_m=64, block_n=128, block_k=128, split_k=2), min_weight=56 * _M, min_out=14336),
+        Route(64, "fused", _MMA_TILE(block_m=64, block_k=128, split_k=4), min_weight=56 * _M),
+        Route(64, "fused", _MMA_TILE(block_m=64, block_n=128, block_k=64), min_weight=16 * _M),
+        Route(64, "fused", _MMA_TILE(block_m=64, block_k=64)),
+        # 128 rows: mma.sync's rate decides; the tl kernel's wgmma tiles (100.3 and 102.3 us for mma.py's).
+        # Beyond, and below 56M weights, dequantize + cuBLAS (34.9 against 27.8 at 4096x4096, M=128)
+        *(route for route in TL_ROUTES[(9, 0)] if route.max_rows == 128),
+    ),
+}
+# Reasoned, not measured (no A100 or L4 has run it): mma.py's 16-row tile up to 16 rows, where it
+# reads the least memory per result; dequantize + cuBLAS beyond. sm_75 has no mma.sync.m16n8k16.
+DEFAULT_ROUTES = (Route(16, "fused", _MMA_TILE(block_m=16)),)
+MATMUL_ROUTES.update({capability: DEFAULT_ROUTES for capability in ((8, 0), (8, 6), (8, 9))})
+MATMUL_ROUTES[(7, 5)] = TL_DEFAULT_ROUTES
 _DEQUANTIZE = Route(2**62, "dequantize")
 
 
-def choose_route(capability, rows, in_features, out_features):
+def choose_route(capability, rows, in_features, out_features, routes=None):
     """The Route for ``rows`` rows of x against an (out_features, in_features) weight on a GPU of
-    ``capability``: a pure function of the four."""
-    for route in MATMUL_ROUTES.get(tuple(capability), DEFAULT_ROUTES):
+    ``capability``, from ``routes`` (``MATMUL_ROUTES``, or ``TL_ROUTES`` where mma.py's kernel
+    cannot run): a pure function of the five."""
+    table = MATMUL_ROUTES if routes is None else routes
+    for route in table.get(tuple(capability), DEFAULT_ROUTES if table is MATMUL_ROUTES else TL_DEFAULT_ROUTES):
         if (rows <= route.max_rows and in_features * out_features >= route.min_weight and in_features >= route.min_in
                 and out_features >= route.min_out):
             return route
@@ -380,36 +424,38 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
     code_lookup = config.lookup if kernel.TRITON_COMPILES_SHARED_TABLES else 0  # gathers compile from Triton 3.4
     steps = triton.cdiv(k, config.block_k)
     split_k = max(split for split in range(1, config.split_k + 1) if steps % split == 0)
+    target = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x2d.device)
+    device = x2d.device.index
     key = None
-    if not INTERPRET and fastpath.ENABLED and not fastpath.launch_hooks_active():
-        device = x2d.device.index
+    if (not INTERPRET and fastpath.ENABLED and not fastpath.launch_hooks_active()
+            and torch._C._cuda_getDevice() == device):
         key = (device, x2d.dtype, m, n, k, x2d.stride(0), x2d.data_ptr() % 16, out.data_ptr() % 16, packed.data_ptr(),
                absmax.data_ptr(), code.data_ptr(), absmax2.data_ptr(), code2.data_ptr(), offset.data_ptr(),
                None if bias is None else bias.data_ptr(), blocksize, blocksize2, nested, fp4, config, use_asm,
                bf16_via_int, code_lookup)
-        launches = LAUNCHES.get(key) if torch._C._cuda_getDevice() == device else None
+        launches = LAUNCHES.get(key)
         if launches is not None:
             stream = torch._C._cuda_getCurrentRawStream(device)
             fused, reduce = launches
-            if reduce is None:
-                fused(stream, x2d.data_ptr(), out.data_ptr())
-            else:
-                partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x2d.device)
-                fused(stream, x2d.data_ptr(), partial.data_ptr())
-                reduce(stream, partial.data_ptr(), out.data_ptr())
+            fused(stream, x2d.data_ptr(), target.data_ptr())
+            if reduce is not None:
+                reduce(stream, target.data_ptr(), out.data_ptr())
             return out
-    target = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x2d.device)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split_k)
-    fused = _run(nf4_matmul_kernel, grid, (
-        x2d, packed, absmax, code, absmax2, code2, offset, bias if bias is not None else out, target,
-        m, n, k, x2d.stride(0)), dict(
-        BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, FP4=fp4, X_DTYPE=x_dtype,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
-        STEPS_PER_SPLIT=steps // split_k, DOT=config.dot,
-        HAS_BIAS=bias is not None and split_k == 1, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int,
-        LOOKUP=code_lookup, EVEN=n % config.block_n == 0 and k % config.block_k == 0,
-        USE_INT64=n * k > 2**31 - 1, num_warps=config.num_warps, num_stages=config.num_stages),
-        out_at=None if key is None else 8)
+    args = (x2d, packed, absmax, code, absmax2, code2, offset, bias if bias is not None else out, target, m, n, k,
+            x2d.stride(0))
+    options = dict(BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, FP4=fp4, X_DTYPE=x_dtype,
+                   BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
+                   STEPS_PER_SPLIT=steps // split_k, HAS_BIAS=bias is not None and split_k == 1,
+                   USE_INT64=n * k > 2**31 - 1, num_warps=config.num_warps)
+    if config.mma:
+        layouts = mma.layouts(config.num_warps, config.block_n, config.block_k, config.block_m)
+        options.update(W_LAYOUT=layouts[0], X_LAYOUT=layouts[1], MMA=layouts[2])
+        fused = _run(mma.nf4_mma_kernel, grid, args, options, out_at=None if key is None else 8)
+    else:
+        options.update(DOT=config.dot, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int, LOOKUP=code_lookup,
+                       EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_stages=config.num_stages)
+        fused = _run(nf4_matmul_kernel, grid, args, options, out_at=None if key is None else 8)
     reduce = None
     if split_k > 1:
         block = 1024
@@ -417,11 +463,18 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
             target, bias if bias is not None else out, out, m * n, n), dict(
             SPLIT_K=split_k, HAS_BIAS=bias is not None, OUT_DTYPE=x_dtype, BF16_VIA_INT=bf16_via_int, BLOCK=block,
             num_warps=4), out_at=None if key is None else 2)
-    if key is not None and torch._C._cuda_getDevice() == key[0]:
+    if key is not None:
         if len(LAUNCHES) >= MOST_LAUNCHES:
             LAUNCHES.clear()
         LAUNCHES[key] = (fused, reduce)
     return out
+
+
+def mma_supported(x2d, k, blocksize, config):
+    """Whether mma.py's kernel runs this call: Gluon's mma_v2 (Triton 3.6 on) compiled for an
+    NVIDIA GPU from sm_80, fp16 or bf16 x, K whole tiles, quads of 16 columns within one block."""
+    return (mma.AVAILABLE and not INTERPRET and torch.version.hip is None and x2d.dtype is not torch.float32
+            and k % config.block_k == 0 and blocksize >= 16 and torch.cuda.get_device_capability(x2d.device) >= (8, 0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,7 +502,7 @@ SM75_COMPILES = kernel.TRITON_COMPILES_SHARED_TABLES  # both from Triton 3.4 (3.
 def nf4_linear(x, weight, quant_state=None, bias=None):
     """``x @ W.T (+ bias)`` for a bitsandbytes 4-bit weight W of shape (out, in), computed by the
     route ``choose_route`` gives (the fused kernel, dequantize + cuBLAS, or bitsandbytes' own
-    kernel for one or two rows on the GPUs it was measured on).
+    kernel at one row on the small layers of the GPUs it was measured on).
 
     ``weight``: a ``Linear4bit``, its ``Params4bit``, or the packed tensor with its ``QuantState``
     (NF4 or FP4, nested or flat absmax, any packed storage dtype). ``x``: (..., in) in fp16, bf16
@@ -494,6 +547,9 @@ def linear_by_route(x, packed, qs, bias, route):
         _, blocksize, nested, blocksize2, tables = quantstate.check_state(packed, qs)
         if x2d.numel() == 0 or out_features == 0 or not _fused_supported(blocksize, in_features, x2d):
             path = "dequantize"
+        elif route.config.mma and not mma_supported(x2d, in_features, blocksize, route.config):
+            return linear_by_route(x, packed, qs, bias, choose_route(device_facts(x.device)[0], x2d.shape[0],
+                                                                     in_features, out_features, TL_ROUTES))
     if path == "bitsandbytes":
         import bitsandbytes
 
@@ -550,9 +606,9 @@ def _linear_op(
 
 
 def _config_of(values):
-    """A MatmulConfig from the operator's list of ints (``dot`` travels as 0 or 1)."""
+    """A MatmulConfig from the operator's list of ints (``dot`` and ``mma`` travel as 0 or 1)."""
     config = MatmulConfig._make(values)
-    return config._replace(dot=bool(config.dot))
+    return config._replace(dot=bool(config.dot), mma=bool(config.mma))
 
 
 def _linear_op_fake(x, packed, absmax, code, absmax2, code2, offset, bias, out_features, blocksize, blocksize2,

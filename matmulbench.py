@@ -25,6 +25,7 @@ import bench_weights
 import fastpath
 import kernel
 import matmul
+import mma
 import quantstate
 
 # (in, out): Llama-3-8B's attention (q/o, k/v), MLP up/gate and down, and a 70B model's MLP
@@ -96,18 +97,36 @@ def fused_call(layer, x, config, out):
 
 
 C = matmul.MatmulConfig
-# Candidates per row count (the last field: the code lookup, matmul.py's LOOKUP), from wider sweeps at
-# 4096x14336 and 14336x4096 (NOTES.md, item 70).
+# Candidates per row count (the last tl field: the code lookup, matmul.py's LOOKUP), from wider sweeps at
+# 4096x14336 and 14336x4096 (NOTES.md, items 70 and 77); mma.py's tiles as (num_warps, block_n,
+# block_k, split_k) per block_m.
+MMA_TILES = {
+    8: [(4, 64, 256, 4), (4, 64, 64, 4), (4, 64, 256, 8), (8, 128, 64, 16), (4, 128, 256, 8), (4, 64, 128, 8),
+        (4, 128, 64, 16), (8, 128, 256, 4)],
+    32: [(4, 64, 128, 4), (4, 128, 128, 4), (4, 64, 256, 4), (4, 128, 128, 8), (8, 128, 64, 8), (4, 64, 64, 8),
+         (4, 128, 256, 2), (4, 128, 64, 16)],
+    64: [(4, 128, 128, 2), (4, 128, 64, 2), (4, 64, 128, 4), (4, 128, 128, 4), (8, 128, 64, 4), (4, 128, 64, 8),
+         (4, 64, 64, 8), (8, 256, 64, 4)],
+    128: [(4, 64, 64, 4), (4, 128, 64, 2), (4, 128, 64, 1), (8, 128, 64, 2), (4, 64, 64, 2)],
+}
+
+
+def _mma(block_m, tiles):
+    return [C(block_m, bn, bk, sk, True, warps, mma=True) for warps, bn, bk, sk in tiles]
+
+
 CANDIDATES = {
-    1: [C(1, 32, 256, 4, False, 4, 3, 0)],
+    8: [C(1, 32, 256, 4, False, 4, 3, 0)] + _mma(8, MMA_TILES[8]),
     16: [C(16, bn, bk, sk, True, 4, st, lookup) for bn, bk, sk, st, lookup in (
         (64, 256, 4, 2, 2), (64, 512, 4, 2, 2), (64, 128, 4, 2, 2), (32, 256, 4, 2, 2), (32, 256, 4, 2, 1),
-        (64, 256, 1, 3, 2), (64, 128, 4, 2, 1))],
+        (64, 256, 1, 3, 2), (64, 128, 4, 2, 1))] + _mma(16, MMA_TILES[8]),
+    32: _mma(32, MMA_TILES[32]),
     64: [C(64, bn, bk, sk, True, w, 3, lookup) for bn, bk, sk, w, lookup in (
         (64, 128, 1, 4, 2), (128, 128, 2, 4, 2), (64, 128, 2, 4, 2), (64, 64, 2, 8, 2), (64, 128, 1, 4, 1),
-        (64, 128, 2, 4, 1))],
+        (64, 128, 2, 4, 1))] + _mma(64, MMA_TILES[64]),
     256: [C(bm, bn, bk, sk, True, w, 3, 2) for bm, bn, bk, sk, w in (
-        (128, 64, 128, 1, 4), (128, 64, 128, 2, 4), (128, 128, 128, 1, 8), (128, 128, 64, 2, 4), (64, 128, 128, 2, 4))],
+        (128, 64, 128, 1, 4), (128, 64, 128, 2, 4), (128, 128, 128, 1, 8), (128, 128, 64, 2, 4), (64, 128, 128, 2, 4))]
+    + _mma(128, MMA_TILES[128]) + _mma(64, MMA_TILES[64][:2]),
 }
 
 
@@ -167,12 +186,16 @@ def sweep(dtype, layers, rows, configs, log=print):
 
 def fused_config(rows, in_features, out_features):
     """The fused kernel's configuration for a point: the route's where it is fused, else that of the
-    first fused route for as many rows (the benchmark times the kernel at every point)."""
+    first fused route for as many rows (the benchmark times the kernel at every point); from
+    ``TL_ROUTES`` where mma.py's kernel cannot run (Triton before 3.6, the interpreter, sm_75)."""
     capability = fastpath.device_facts()[0]
-    route = matmul.choose_route(capability, rows, in_features, out_features)
+    runs_mma = mma.AVAILABLE and not fastpath.INTERPRET and tuple(capability) >= (8, 0)
+    table = matmul.MATMUL_ROUTES if runs_mma else matmul.TL_ROUTES
+    route = matmul.choose_route(capability, rows, in_features, out_features, table)
     if route.path == "fused":
         return route.config
-    fused = [r for r in matmul.MATMUL_ROUTES.get(tuple(capability), matmul.DEFAULT_ROUTES) if r.path == "fused"]
+    default = matmul.DEFAULT_ROUTES if runs_mma else matmul.TL_DEFAULT_ROUTES
+    fused = [r for r in table.get(tuple(capability), default) if r.path == "fused"]
     return next((r.config for r in fused if rows <= r.max_rows), fused[-1].config)
 
 

@@ -18,6 +18,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 import kernel  # noqa: E402
 import matmul  # noqa: E402
+import mma  # noqa: E402
 
 TL_NAME = {tl.float16: "fp16", tl.bfloat16: "bf16", tl.float32: "fp32"}
 
@@ -27,7 +28,7 @@ def variants(capability):
     if capability < (8, 0) and not matmul.SM75_COMPILES:
         return  # nf4_linear dequantizes there
     for route in matmul.MATMUL_ROUTES.get(capability, matmul.DEFAULT_ROUTES):
-        if route.path != "fused":
+        if route.path != "fused" or (route.config.mma and not mma.AVAILABLE):
             continue
         for x_dtype in (tl.float16, tl.bfloat16):
             if x_dtype == tl.bfloat16 and capability < (8, 0):
@@ -36,32 +37,42 @@ def variants(capability):
 
 
 def compile_variant(capability, x_dtype, config):
-    fn = matmul.nf4_matmul_kernel
+    """The route's kernel for this target: matmul.py's tl kernel, or mma.py's through Gluon's AST
+    source (its layouts as constexprs)."""
     name = TL_NAME[x_dtype]
     signature = {"x_ptr": f"*{name}", "packed_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32",
                  "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset_ptr": "*fp32", "bias_ptr": f"*{name}",
                  "out_ptr": f"*{name}" if config.split_k == 1 else "*fp32", "M": "i32", "N": "i32", "K": "i32",
                  "stride_xm": "i32"}
-    lookup = config.lookup if kernel.TRITON_COMPILES_SHARED_TABLES else 0
     constexprs = dict(BLOCKSIZE=64, BLOCKSIZE2=256, NESTED=True, FP4=False, X_DTYPE=x_dtype, BLOCK_M=config.block_m,
                       BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
-                      STEPS_PER_SPLIT=4096 // config.block_k // config.split_k, DOT=config.dot,
-                      HAS_BIAS=False, USE_ASM=True, BF16_VIA_INT=capability < (8, 0), LOOKUP=lookup, EVEN=True,
-                      USE_INT64=False)
+                      STEPS_PER_SPLIT=4096 // config.block_k // config.split_k, HAS_BIAS=False, USE_INT64=False)
+    options = {"num_warps": config.num_warps}
+    if config.mma:
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        fn, make_source = mma.nf4_mma_kernel, GluonASTSource
+        layouts = mma.layouts(config.num_warps, config.block_n, config.block_k, config.block_m)
+        constexprs.update(W_LAYOUT=layouts[0], X_LAYOUT=layouts[1], MMA=layouts[2])
+    else:
+        fn, make_source = matmul.nf4_matmul_kernel, triton.compiler.ASTSource
+        constexprs.update(DOT=config.dot, USE_ASM=True, BF16_VIA_INT=capability < (8, 0), EVEN=True,
+                          LOOKUP=config.lookup if kernel.TRITON_COMPILES_SHARED_TABLES else 0)
+        options["num_stages"] = config.num_stages
     signature.update({key: "constexpr" for key in constexprs})
-    source = triton.compiler.ASTSource(fn=fn, signature={key: signature[key] for key in fn.arg_names},
-                                       constexprs=constexprs)
+    source = make_source(fn, {key: signature[key] for key in fn.arg_names}, constexprs)
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-    return triton.compile(source, target=target, options={"num_warps": config.num_warps,
-                                                          "num_stages": config.num_stages})
+    return triton.compile(source, target=target, options=options)
 
 
 def main():
     cc = int(sys.argv[1])
     capability = (cc // 10, cc % 10)
     for x_dtype, config in variants(capability):
-        ptx = compile_variant(capability, x_dtype, config).asm["ptx"]
+        compiled = compile_variant(capability, x_dtype, config)
+        ptx = compiled.asm["ptx"]
         print(json.dumps({"cc": cc, "x_dtype": TL_NAME[x_dtype], "config": list(config),
+                          "shared_bytes": compiled.metadata.shared, "shfl": len(re.findall(r"shfl\.sync", ptx)),
                           "asm_mul_ftz": len(re.findall(r"mul\.rn\.ftz\.f32", ptx)),
                           "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
                           "mma": len(re.findall(r"\bmma\.sync", ptx))}), flush=True)

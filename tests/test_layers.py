@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     ("launch", ["fastpath"]),  # Triton and torch internals, launch plans in general: nothing of a weight format
     ("quant states", ["quantstate"]),  # a weight and its state found, validated, watched by a plan
-    ("kernels and their entry points", ["kernel", "matmul"]),  # the format's kernels, each with its API and operator
+    ("kernels and their entry points", ["kernel", "mma", "matmul"]),  # the format's kernels, each with its API and operator
     ("drop-in", ["dropin"]),
     ("benchmark helpers", ["bench_timing", "bench_weights", "bench_results", "bench_contenders", "bench_plots"]),
     ("benchmark sections", ["bench_kernels", "bench_harness", "bench_compile", "bench_sweep", "bench_forms", "modelbench",

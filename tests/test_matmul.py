@@ -180,22 +180,44 @@ def test_nf4_linear_errors_name_the_problem(case):
 
 
 def test_routes_are_well_formed():
-    for routes in (*matmul.MATMUL_ROUTES.values(), matmul.DEFAULT_ROUTES):
+    for routes in (*matmul.MATMUL_ROUTES.values(), matmul.DEFAULT_ROUTES, *matmul.TL_ROUTES.values()):
         for route in routes:
             assert route.path in ("fused", "dequantize", "bitsandbytes")
             assert (route.config is not None) == (route.path == "fused")
-            if route.config is not None:
-                assert route.config.block_m >= 16 if route.config.dot else route.config.block_m == 1
-                assert route.config.block_k % 8 == 0 and route.config.split_k >= 1
-    # the H100's table at the measured points (matmulbench.py --sweep)
-    assert matmul.choose_route((9, 0), 1, 4096, 14336).path == "bitsandbytes"
-    assert matmul.choose_route((9, 0), 16, 4096, 14336).config.block_n == 64
-    assert matmul.choose_route((9, 0), 16, 4096, 1024).config.block_n == 32
-    assert matmul.choose_route((9, 0), 64, 4096, 14336).config.block_n == 128
-    assert matmul.choose_route((9, 0), 64, 14336, 4096).config.block_n == 64
-    assert matmul.choose_route((9, 0), 64, 4096, 4096).path == "dequantize"
-    assert matmul.choose_route((9, 0), 256, 14336, 4096).path == "dequantize"
-    assert matmul.choose_route((9, 0), 4096, 4096, 14336).path == "dequantize"
+            config = route.config
+            if config is None:
+                continue
+            if config.mma:
+                assert config.block_m % 8 == 0 and config.block_k % 64 == 0
+                assert config.block_n % (16 * config.num_warps) == 0
+            else:
+                assert config.block_m >= 16 if config.dot else config.block_m == 1
+            assert config.block_k % 8 == 0 and config.split_k >= 1
+    for routes in matmul.TL_ROUTES.values():  # the table for where mma.py's kernel cannot run
+        assert not any(route.config is not None and route.config.mma for route in routes)
+    assert not any(route.config is not None and route.config.mma for route in matmul.MATMUL_ROUTES[(7, 5)])
+    # the H100's tables at the measured points (matmulbench.py --sweep)
+    route = matmul.choose_route
+    assert route((9, 0), 1, 4096, 14336).config.mma and route((9, 0), 1, 4096, 4096).path == "bitsandbytes"
+    assert route((9, 0), 8, 4096, 1024).config.mma and route((9, 0), 64, 4096, 4096).config.mma
+    assert route((9, 0), 32, 4096, 14336).config.block_k == 256 and route((9, 0), 32, 14336, 4096).config.block_k == 64
+    assert not route((9, 0), 128, 4096, 14336).config.mma and route((9, 0), 128, 4096, 4096).path == "dequantize"
+    assert route((9, 0), 256, 14336, 4096).path == "dequantize"
+    assert route((9, 0), 1, 4096, 14336, matmul.TL_ROUTES).path == "bitsandbytes"
+    assert route((9, 0), 16, 4096, 14336, matmul.TL_ROUTES).config.block_n == 64
+    assert route((9, 0), 64, 4096, 4096, matmul.TL_ROUTES).path == "dequantize"
+    assert route((9, 0), 4096, 4096, 14336).path == "dequantize"
+
+
+def test_mma_route_falls_back_to_the_tl_table():
+    """Where mma.py's kernel cannot run (here: fp32 x, or the interpreter), an mma route computes
+    through the tl table's route for the same call, within the same bound."""
+    packed, state = quantize((40, 256), dtype=torch.float32, device=DEVICE, seed=6)
+    x = torch.randn(5, 256).to(DEVICE)
+    config = C(8, 64, 256, 1, True, 4, mma=True)
+    assert not matmul.mma_supported(x, 256, 64, config)
+    y = matmul.linear_by_route(x, packed, state, None, matmul.Route(8, "fused", config))
+    assert_within_bound(y, x, decoded(packed, state, torch.float32))
 
 
 def test_readme_matmul_table_is_the_committed_csv():
@@ -224,7 +246,8 @@ def test_nf4_linear_in_torch_compile_one_graph():
 def test_routes_compile_ahead_of_time(cc):
     """Every fused route's configuration compiles for the GPUs it names (K = 4096), with the decode's
     multiply in inline PTX and the product on tensor cores from sm_80 (wgmma where a warp group
-    holds 64 weight rows on sm_90, else mma; sm_75 has no bf16 product, its fp16 dot is Triton's)."""
+    holds 64 weight rows on sm_90, else mma; sm_75 has no bf16 product, its fp16 dot is Triton's);
+    mma.py's routes with no shared memory at all (Triton 3.6 on)."""
     import json
     import os
     import subprocess
@@ -237,7 +260,9 @@ def test_routes_compile_ahead_of_time(cc):
     assert lines or (cc < 80 and not matmul.SM75_COMPILES), "no fused route compiled"
     for line in lines:
         assert line["asm_mul_ftz"] > 0, line
-        if line["config"][4]:  # a tensor-core tile
+        if line["config"][8]:  # mma.py's kernel: mma.sync on fragments decoded in registers, codes by shuffle
+            assert line["mma"] > 0 and line["shfl"] > 0 and line["shared_bytes"] == 0, line
+        elif line["config"][4]:  # a tensor-core tile
             assert cc < 80 or line["wgmma"] + line["mma"] > 0, line
 
 
@@ -257,6 +282,33 @@ def test_gpu_every_h100_route_within_bound(dtype):
                 assert torch.equal(y, bitsandbytes.matmul_4bit(x, packed, quant_state=state))
             else:
                 assert_within_bound(y, x, kernel.dequantize_nf4(packed, state).to(dtype))
+
+
+# mma.py's tiles: (block_m, block_n, block_k, split_k, num_warps); one to four repeats of 16 rows a warp.
+MMA_CONFIGS = [C(8, 64, 64, 1, True, 4, mma=True), C(16, 128, 128, 2, True, 4, mma=True),
+               C(8, 128, 256, 4, True, 8, mma=True), C(64, 128, 64, 1, True, 2, mma=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", MMA_CONFIGS, ids=str)
+@pytest.mark.parametrize("form", ["nf4 nested", "nf4 flat", "fp4 nested", "nf4 blocksize 128", "nf4 blocksize 32"])
+def test_gpu_mma_weights_bit_exact(config, form):
+    """mma.py's kernel: x = the identity picks each decoded weight out alone (its sum has one
+    non-zero term), so the product equals dequantize_nf4's weight bit for bit, through the
+    permuted K order, partial tiles of rows (N = 72, 200) and split-K; random x, with bias, within
+    the bound. A weight decoded wrong in one place fails the first check."""
+    blocksize = int(form.split()[-1]) if "blocksize" in form else 64
+    for dtype, out_features in itertools.product((torch.float16, torch.bfloat16), (72, 200)):
+        in_features = 2 * config.block_k * config.split_k
+        packed, state = quantize((out_features, in_features), dtype=dtype, device="cuda", blocksize=blocksize,
+                                 nested="flat" not in form, quant_type=form[:3], seed=out_features)
+        x = torch.eye(in_features, device="cuda", dtype=dtype)
+        assert matmul.mma_supported(x, in_features, blocksize, config)
+        weight = kernel.dequantize_nf4(packed, state).to(dtype)
+        assert torch.equal(launch(x, packed, state, config).T, weight)
+        x = torch.randn(13, in_features, device="cuda", dtype=dtype)
+        bias = torch.randn(out_features, device="cuda", dtype=dtype)
+        assert_within_bound(launch(x, packed, state, config, bias), x, weight, bias)
 
 
 @pytest.mark.gpu
@@ -279,7 +331,7 @@ def test_gpu_graph_capture_replays_the_same():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [C(16, 32, 128, 2, True, 4, 2, 2), C(16, 16, 64, 1, True, 4, 2, 1),
-                                    C(1, 16, 64, 2, False, 4, 2, 0)], ids=str)
+                                    C(1, 16, 64, 2, False, 4, 2, 0), *MMA_CONFIGS[:2]], ids=str)
 def test_gpu_replayed_launches_equal_triton_launches(config):
     """A repeated call replays the launches its first call recorded (``matmul.LAUNCHES``): for a
     new x, a new output, each of two weights of one shape, with and without bias, split-K or not,

@@ -85,9 +85,9 @@ PREFILL = ["1x128", "1x512", "8x512", "1x2048"]
 
 
 def test_serving_headline_is_the_results():
-    """The first table: bf16 ratios and tokens/s of the drop-in, and fp16 within 0.02x of them."""
+    """The first table: bf16 ratios and tokens/s of the drop-in, and fp16 within 0.04x of them."""
     first = tables(readme())[0]
-    assert first[0] == ["bf16 (fp16 within 0.02x)", "drop-in over bitsandbytes' own layers"]
+    assert first[0] == ["bf16 (fp16 within 0.04x)", "drop-in over bitsandbytes' own layers"]
     found, speedup = serve("bf16")
     _, fp16 = serve("fp16")
     ours = "nf4-triton"
@@ -97,7 +97,7 @@ def test_serving_headline_is_the_results():
         f"{float(found['decode', t, ours]['tokens_per_s']):.0f}" for t in DECODE)
     assert decimals(prefill) == [f"{speedup['prefill', t, ours]:.2f}" for t in PREFILL]
     assert decimals(train) == [f"{speedup[kind, '4x1024', ours]:.2f}" for kind in ("qlora-step", "qlora-step-checkpointed")]
-    assert all(abs(fp16[key] - value) <= 0.02 + 1e-9 for key, value in speedup.items() if key[2] == ours)
+    assert all(abs(fp16[key] - value) <= 0.04 + 1e-9 for key, value in speedup.items() if key[2] == ours)
     assert all(found[kind, "4x1024", ours]["loss_equal_bitsandbytes"] == "True"
                for kind in ("qlora-step", "qlora-step-checkpointed"))
 

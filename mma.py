@@ -1,0 +1,207 @@
+"""The fused NF4 matmul in Gluon: each weight decoded straight into the register fragment that
+``mma.sync.m16n8k16`` reads, from bitsandbytes' bytes as they are.
+
+Inside each 64 columns of K the order of the sum is permuted, the same way for the weight and
+for x, so that the 16 codes a thread's A fragments hold are 8 contiguous bytes of one weight
+row: one 8-byte load, no shared memory and no exchange between threads (the layouts' conversion
+is asserted trivial at compile time). Thread ``t`` of a row quad holds physical columns
+``16 t .. 16 t + 15`` of a 64-column chunk; column ``16 t + 4 s + 2 p + q`` sits in k-step ``s``
+at logical column ``16 s + 8 p + 2 t + q``, which is where mma.sync expects A[g][2t + q] (p = 0)
+and A[g][2t + 8 + q] (p = 1), and B likewise.
+
+A code's value comes from a warp shuffle: lane ``l`` holds ``codebook[l % 16]``, and
+``shfl.sync.idx`` reads only the low 5 bits of its index, so a word shifted right by ``4 j`` is
+the index of its nibble ``j`` without a mask. Then kernel.py's arithmetic: the fp32 product
+``code * scale`` (``mul.rn.ftz``) rounded once to x's dtype (one ``cvt`` for two weights). Each
+weight is bit for bit ``dequantize_nf4``'s; only the order of the fp32 sums differs.
+
+Needs Gluon's ``mma_v2`` and linear layouts (Triton 3.6 on), sm_80 on, fp16 or bf16 x, K a
+multiple of the tile's columns and blocks of at least 16 columns; ``matmul.py`` routes the rest
+to its ``tl`` kernel.
+"""
+
+import functools
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    AVAILABLE = hasattr(gl, "DistributedLinearLayout")
+except ImportError:  # Triton before 3.6
+    AVAILABLE = False
+
+__all__ = ["AVAILABLE", "layouts", "nf4_mma_kernel"]
+
+
+def _bases(dim, rank, count, first=1):
+    """``count`` basis vectors along ``dim``: first, 2 first, 4 first, ..."""
+    return [[first << i if d == dim else 0 for d in range(rank)] for i in range(count)]
+
+
+def _log2(value):
+    assert value > 0 and value & (value - 1) == 0, f"{value} is not a power of two"
+    return value.bit_length() - 1
+
+
+@functools.lru_cache(maxsize=None)
+def layouts(num_warps, block_n, block_k, block_m):
+    """(weight layout, x layout, mma layout) of a tile. The weight's codes are indexed
+    [BLOCK_N, chunk, t, word, code]: 8 codes of a word, 2 words, 4 threads of a quad, BLOCK_K / 64
+    chunks; x the same with rows of x for rows of the weight."""
+    reps = block_n // (16 * num_warps)
+    chunks = block_k // 64
+    weight = gl.DistributedLinearLayout(
+        reg_bases=_bases(4, 5, 3) + _bases(3, 5, 1) + _bases(0, 5, 1, 8) + _bases(1, 5, _log2(chunks))
+        + _bases(0, 5, _log2(reps), 16 * num_warps),
+        lane_bases=_bases(2, 5, 2) + _bases(0, 5, 3),
+        warp_bases=_bases(0, 5, _log2(num_warps), 16),
+        block_bases=[],
+        shape=[block_n, chunks, 4, 2, 8])
+    x = gl.DistributedLinearLayout(
+        reg_bases=_bases(4, 5, 3) + _bases(3, 5, 1) + _bases(1, 5, _log2(chunks)) + _bases(0, 5, _log2(block_m // 8), 8),
+        lane_bases=_bases(2, 5, 2) + _bases(0, 5, 3),
+        warp_bases=[[0] * 5] * _log2(num_warps),  # every warp holds all of x's tile
+        block_bases=[],
+        shape=[block_m, chunks, 4, 2, 8])
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+    return weight, x, mma
+
+
+if AVAILABLE:
+    @gluon.jit
+    def _along(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
+        """arange(n) along dimension ``dim`` of a 5-D layout, shaped to broadcast against it."""
+        if dim == 0:
+            v = gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, layout)))))
+            return gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(v, 1), 2), 3), 4)
+        elif dim == 1:
+            v = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, layout)))))
+            return gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(v, 0), 2), 3), 4)
+        elif dim == 2:
+            v = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, layout)))))
+            return gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(v, 0), 1), 3), 4)
+        elif dim == 3:
+            v = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, layout)))))
+            return gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(v, 0), 1), 2), 4)
+        else:
+            v = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout)))))
+            return gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(v, 0), 1), 2), 3)
+
+    @gluon.jit
+    def _mma_order(values, ROWS: gl.constexpr, BLOCK_K: gl.constexpr):
+        """[ROWS, chunk, t, word, code] in column order -> [ROWS, BLOCK_K] in the mma's K order."""
+        values = gl.reshape(values, [ROWS, BLOCK_K // 64, 4, 2, 2, 2, 2])  # row, chunk, t, word, s % 2, p, q
+        values = gl.permute(values, [0, 1, 3, 4, 5, 2, 6])  # row, chunk, s // 2, s % 2, p, t, q
+        return gl.reshape(values, [ROWS, BLOCK_K])
+
+    @gluon.jit
+    def nf4_mma_kernel(
+        # inputs
+        x_ptr,  # [M, K] fp16 or bf16 activations (row stride stride_xm, unit column stride)
+        packed_ptr,  # the weight [N, K] row-major, two codes per byte, high nibble first (4-byte aligned)
+        absmax_ptr,  # uint8 [N * K / BLOCKSIZE] when NESTED, else fp32
+        code_ptr,  # fp32 [16], the 4-bit codebook (NF4 or FP4)
+        absmax2_ptr,  # fp32 [ceil(n_blocks / BLOCKSIZE2)] (NESTED only)
+        code2_ptr,  # fp32 [256] (NESTED only)
+        offset_ptr,  # fp32 [1] (NESTED only)
+        bias_ptr,  # [N] in x's dtype (HAS_BIAS only)
+        # output
+        out_ptr,  # [M, N] in x's dtype; with SPLIT_K > 1, fp32 partial sums [SPLIT_K, M, N]
+        # sizes
+        M,  # rows of x
+        N,  # output features (rows of the weight)
+        K,  # input features, a multiple of BLOCK_K
+        stride_xm,  # elements between rows of x
+        # format
+        BLOCKSIZE: gl.constexpr,  # elements per absmax (a power of two >= 16)
+        BLOCKSIZE2: gl.constexpr,  # absmax values per absmax2 (NESTED only)
+        NESTED: gl.constexpr,  # double-quantized absmax
+        FP4: gl.constexpr,  # quant_type="fp4"
+        X_DTYPE: gl.constexpr,  # gl.float16 or gl.bfloat16: activations, decoded weight and output
+        # implementation
+        BLOCK_M: gl.constexpr,  # rows of x per program (a multiple of 8)
+        BLOCK_N: gl.constexpr,  # weight rows per program (16 * num_warps * repeats)
+        BLOCK_K: gl.constexpr,  # columns per step (a multiple of 64)
+        SPLIT_K: gl.constexpr,  # programs sharing one output tile along K (fp32 partials when > 1)
+        STEPS_PER_SPLIT: gl.constexpr,  # BLOCK_K steps per program
+        HAS_BIAS: gl.constexpr,  # add bias (SPLIT_K == 1 only; the reduction adds it otherwise)
+        USE_INT64: gl.constexpr,  # 64-bit offsets into the weight
+        W_LAYOUT: gl.constexpr,  # layouts(...)[0]
+        X_LAYOUT: gl.constexpr,  # layouts(...)[1]
+        MMA: gl.constexpr,  # layouts(...)[2]
+    ):
+        CHUNKS: gl.constexpr = BLOCK_K // 64
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        first = pid_k * STEPS_PER_SPLIT
+
+        # The weight's indices, [BLOCK_N, CHUNKS, 4, 2, 8] once broadcast. Rows past N read row
+        # N - 1 (no masks in the loop); their sums are not stored.
+        row = gl.minimum(pid_n * BLOCK_N + _along(BLOCK_N, 0, W_LAYOUT), N - 1)
+        if USE_INT64:
+            row = row.to(gl.int64)
+        chunk = _along(CHUNKS, 1, W_LAYOUT)
+        quad = _along(4, 2, W_LAYOUT)
+        word_ptrs = packed_ptr.to(gl.pointer_type(gl.int32)) + row * (K // 8) + chunk * 8 + quad * 2 + _along(2, 3, W_LAYOUT)
+        element = _along(8, 4, W_LAYOUT)
+        shifts = 8 * (element // 2) + 4 * (1 - element % 2)  # element 2j is byte j's high nibble
+        block = row * (K // BLOCKSIZE) + (chunk * 64 + quad * 16) // BLOCKSIZE  # a quad's 16 columns share one
+
+        # lane l holds codebook[l % 16]: one register, the shuffle's table
+        lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [gl.full([1, 1, 1, 1, 1], 0, gl.int32, W_LAYOUT)],
+                                         dtype=gl.int32, is_pure=True, pack=1) % 16
+        entry = gl.load(code_ptr + lane)
+        if FP4:  # bitsandbytes forms an FP4 value as sign * magnitude: code 8 is -0.0
+            entry = (entry.to(gl.uint32, bitcast=True) | ((lane >> 3).to(gl.uint32) << 31)).to(gl.float32, bitcast=True)
+
+        # x's indices, [BLOCK_M, CHUNKS, 4, 2, 8]
+        x_row = pid_m * BLOCK_M + _along(BLOCK_M, 0, X_LAYOUT)
+        x_col = (_along(CHUNKS, 1, X_LAYOUT) * 64 + _along(4, 2, X_LAYOUT) * 16 + _along(2, 3, X_LAYOUT) * 8
+                 + _along(8, 4, X_LAYOUT))
+        x_ptrs = x_ptr + x_row * stride_xm + x_col
+        x_mask = x_row < M
+
+        if NESTED:
+            offset = gl.load(offset_ptr)
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+        for step in range(STEPS_PER_SPLIT):
+            k0 = (first + step) * BLOCK_K
+            words = gl.load(word_ptrs + k0 // 8)
+            step_block = block + k0 // BLOCKSIZE
+            if NESTED:  # kernel.py's absmax decode: code2[absmax] * absmax2 (ftz), + offset
+                absmax_code = gl.load(code2_ptr + gl.load(absmax_ptr + step_block).to(gl.int32))
+                scale = gl.inline_asm_elementwise(
+                    "{.reg .f32 t; mul.rn.ftz.f32 t, $1, $2; add.rn.f32 $0, t, $3;}", "=r,r,r,r",
+                    [absmax_code, gl.load(absmax2_ptr + step_block // BLOCKSIZE2), offset], dtype=gl.float32,
+                    is_pure=True, pack=1)
+            else:
+                scale = gl.load(absmax_ptr + step_block)
+            codes = words >> shifts  # the shuffle reads bits 4:0: nibble j, and a bit of the next
+            if X_DTYPE == gl.bfloat16:
+                weights = gl.inline_asm_elementwise(
+                    "{.reg .b32 a, b; shfl.sync.idx.b32 a, $3, $1, 0x1f, -1; shfl.sync.idx.b32 b, $4, $2, 0x1f, -1;"
+                    " mul.rn.ftz.f32 a, a, $5; mul.rn.ftz.f32 b, b, $6; cvt.rn.bf16x2.f32 $0, b, a;}",
+                    "=r,r,r,r,r,r,r", [codes, entry, scale], dtype=gl.bfloat16, is_pure=True, pack=2)
+            else:
+                weights = gl.inline_asm_elementwise(
+                    "{.reg .b32 a, b; shfl.sync.idx.b32 a, $3, $1, 0x1f, -1; shfl.sync.idx.b32 b, $4, $2, 0x1f, -1;"
+                    " mul.rn.ftz.f32 a, a, $5; mul.rn.ftz.f32 b, b, $6; cvt.rn.f16x2.f32 $0, b, a;}",
+                    "=r,r,r,r,r,r,r", [codes, entry, scale], dtype=gl.float16, is_pure=True, pack=2)
+            a = gl.convert_layout(_mma_order(weights, BLOCK_N, BLOCK_K), gl.DotOperandLayout(0, MMA, 2),
+                                  assert_trivial=True)
+            x = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
+            b = gl.convert_layout(gl.permute(_mma_order(x, BLOCK_M, BLOCK_K), [1, 0]), gl.DotOperandLayout(1, MMA, 2),
+                                  assert_trivial=True)
+            acc = mma_v2(a, b, acc)
+
+        n = gl.expand_dims(pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA)), 1)
+        m = gl.expand_dims(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA)), 0)
+        out_mask = (m < M) & (n < N)
+        if SPLIT_K > 1:
+            gl.store(out_ptr + pid_k.to(gl.int64) * M * N + m * N + n, acc, mask=out_mask)
+        else:
+            if HAS_BIAS:
+                acc += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
+            gl.store(out_ptr + m * N + n, acc.to(X_DTYPE), mask=out_mask)
