@@ -27,8 +27,11 @@ def variants(capability):
     """(x dtype, config) for each fused route of this GPU, in every activation dtype it serves there."""
     if capability < (8, 0) and not matmul.SM75_COMPILES:
         return  # nf4_linear dequantizes there
-    for route in matmul.MATMUL_ROUTES.get(capability, matmul.DEFAULT_ROUTES):
-        if route.path != "fused" or (route.config.mma and not mma.AVAILABLE):
+    # the table nf4_linear takes on this Triton: TL_ROUTES where Gluon's mma_v2 is missing (before 3.6)
+    table, default = ((matmul.MATMUL_ROUTES, matmul.DEFAULT_ROUTES) if mma.AVAILABLE
+                      else (matmul.TL_ROUTES, matmul.TL_DEFAULT_ROUTES))
+    for route in table.get(capability, default):
+        if route.path != "fused":
             continue
         for x_dtype in (tl.float16, tl.bfloat16):
             if x_dtype == tl.bfloat16 and capability < (8, 0):
