@@ -17,7 +17,8 @@ and input gradients are bit-exact wherever bitsandbytes dequantizes too.
 Inference (no gradient) on a GPU takes ``matmul.choose_route``'s path for its row count: the fused
 NF4 matmul where it is the fastest (on the H100 from 1 to 64 rows, one row only on layers of 56M
 weights and more, and to 128 on those; NOTES.md item 77). It decodes W to the same values; only
-the order of the fp32 sums differs from bitsandbytes', so logits there agree to the last bits, not bit for bit (NOTES.md item 73).
+the order of the fp32 sums differs from bitsandbytes', so logits there agree to the last bits, not
+bit for bit (NOTES.md item 73).
 ``enable(model, fused=False)`` keeps bitsandbytes' arithmetic everywhere. Where bitsandbytes
 computes an inference input with its own fused 4-bit matmul (its GEMV at one row, its small-batch
 kernel, chosen by its own per-GPU rule) and the route is not the fused kernel, that op is kept,

@@ -34,7 +34,7 @@ from fastpath import INTERPRET, device_facts, jit
 from kernel import TL_DTYPE, add_rn, decode, fp32_to_bf16_rne, lookup, mul_ftz
 
 __all__ = ["nf4_linear", "linear_by_route", "decoded_weight", "choose_route", "Route", "MatmulConfig", "MATMUL_ROUTES",
-           "LAUNCHES", "nf4_matmul_kernel", "split_k_reduce_kernel"]
+           "TL_ROUTES", "routes_for", "mma_runs_on", "mma_supported", "LAUNCHES", "nf4_matmul_kernel", "split_k_reduce_kernel"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,12 +370,23 @@ MATMUL_ROUTES[(7, 5)] = TL_DEFAULT_ROUTES
 _DEQUANTIZE = Route(2**62, "dequantize")
 
 
+def mma_runs_on(capability):
+    """Whether mma.py's kernel can run on a GPU of this capability: Gluon's mma_v2 (Triton 3.6 on),
+    compiled (not the interpreter), NVIDIA from sm_80."""
+    return mma.AVAILABLE and not INTERPRET and torch.version.hip is None and tuple(capability) >= (8, 0)
+
+
+def routes_for(capability, routes=None):
+    """The routes of a table (``MATMUL_ROUTES``, or ``TL_ROUTES`` where mma.py's kernel cannot run)
+    for a GPU of ``capability``; a GPU the table does not name takes its default."""
+    table = MATMUL_ROUTES if routes is None else routes
+    return table.get(tuple(capability), DEFAULT_ROUTES if table is MATMUL_ROUTES else TL_DEFAULT_ROUTES)
+
+
 def choose_route(capability, rows, in_features, out_features, routes=None):
     """The Route for ``rows`` rows of x against an (out_features, in_features) weight on a GPU of
-    ``capability``, from ``routes`` (``MATMUL_ROUTES``, or ``TL_ROUTES`` where mma.py's kernel
-    cannot run): a pure function of the five."""
-    table = MATMUL_ROUTES if routes is None else routes
-    for route in table.get(tuple(capability), DEFAULT_ROUTES if table is MATMUL_ROUTES else TL_DEFAULT_ROUTES):
+    ``capability``, from ``routes`` (``routes_for``): a pure function of the five."""
+    for route in routes_for(capability, routes):
         if (rows <= route.max_rows and in_features * out_features >= route.min_weight and in_features >= route.min_in
                 and out_features >= route.min_out):
             return route
@@ -449,13 +460,14 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
                    STEPS_PER_SPLIT=steps // split_k, HAS_BIAS=bias is not None and split_k == 1,
                    USE_INT64=n * k > 2**31 - 1, num_warps=config.num_warps)
     if config.mma:
+        kernel_fn = mma.nf4_mma_kernel
         layouts = mma.layouts(config.num_warps, config.block_n, config.block_k, config.block_m)
         options.update(W_LAYOUT=layouts[0], X_LAYOUT=layouts[1], MMA=layouts[2])
-        fused = _run(mma.nf4_mma_kernel, grid, args, options, out_at=None if key is None else 8)
     else:
+        kernel_fn = nf4_matmul_kernel
         options.update(DOT=config.dot, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int, LOOKUP=code_lookup,
                        EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_stages=config.num_stages)
-        fused = _run(nf4_matmul_kernel, grid, args, options, out_at=None if key is None else 8)
+    fused = _run(kernel_fn, grid, args, options, out_at=None if key is None else 8)
     reduce = None
     if split_k > 1:
         block = 1024
@@ -471,10 +483,10 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
 
 
 def mma_supported(x2d, k, blocksize, config):
-    """Whether mma.py's kernel runs this call: Gluon's mma_v2 (Triton 3.6 on) compiled for an
-    NVIDIA GPU from sm_80, fp16 or bf16 x, K whole tiles, quads of 16 columns within one block."""
-    return (mma.AVAILABLE and not INTERPRET and torch.version.hip is None and x2d.dtype is not torch.float32
-            and k % config.block_k == 0 and blocksize >= 16 and torch.cuda.get_device_capability(x2d.device) >= (8, 0))
+    """Whether mma.py's kernel runs this call: on x's GPU (``mma_runs_on``), fp16 or bf16 x, K whole
+    tiles, quads of 16 columns within one block."""
+    return (x2d.dtype is not torch.float32 and k % config.block_k == 0 and blocksize >= 16
+            and mma_runs_on(device_facts(x2d.device)[0]))
 
 
 # --------------------------------------------------------------------------------------------

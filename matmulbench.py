@@ -25,7 +25,6 @@ import bench_weights
 import fastpath
 import kernel
 import matmul
-import mma
 import quantstate
 
 # (in, out): Llama-3-8B's attention (q/o, k/v), MLP up/gate and down, and a 70B model's MLP
@@ -189,13 +188,11 @@ def fused_config(rows, in_features, out_features):
     first fused route for as many rows (the benchmark times the kernel at every point); from
     ``TL_ROUTES`` where mma.py's kernel cannot run (Triton before 3.6, the interpreter, sm_75)."""
     capability = fastpath.device_facts()[0]
-    runs_mma = mma.AVAILABLE and not fastpath.INTERPRET and tuple(capability) >= (8, 0)
-    table = matmul.MATMUL_ROUTES if runs_mma else matmul.TL_ROUTES
+    table = matmul.MATMUL_ROUTES if matmul.mma_runs_on(capability) else matmul.TL_ROUTES
     route = matmul.choose_route(capability, rows, in_features, out_features, table)
     if route.path == "fused":
         return route.config
-    default = matmul.DEFAULT_ROUTES if runs_mma else matmul.TL_DEFAULT_ROUTES
-    fused = [r for r in table.get(tuple(capability), default) if r.path == "fused"]
+    fused = [r for r in matmul.routes_for(capability, table) if r.path == "fused"]
     return next((r.config for r in fused if rows <= r.max_rows), fused[-1].config)
 
 

@@ -28,9 +28,8 @@ def variants(capability):
     if capability < (8, 0) and not matmul.SM75_COMPILES:
         return  # nf4_linear dequantizes there
     # the table nf4_linear takes on this Triton: TL_ROUTES where Gluon's mma_v2 is missing (before 3.6)
-    table, default = ((matmul.MATMUL_ROUTES, matmul.DEFAULT_ROUTES) if mma.AVAILABLE
-                      else (matmul.TL_ROUTES, matmul.TL_DEFAULT_ROUTES))
-    for route in table.get(capability, default):
+    table = matmul.MATMUL_ROUTES if matmul.mma_runs_on(capability) else matmul.TL_ROUTES
+    for route in matmul.routes_for(capability, table):
         if route.path != "fused":
             continue
         for x_dtype in (tl.float16, tl.bfloat16):
