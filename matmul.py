@@ -331,34 +331,38 @@ TL_ROUTES = {
 # beyond. bf16 on sm_75 has no tensor-core product: nf4_linear dequantizes there.
 TL_DEFAULT_ROUTES = (Route(16, "fused", C(16, 32, 256, 4, True, 4, 2, 1)),)
 TL_ROUTES.update({capability: TL_DEFAULT_ROUTES for capability in ((7, 5), (8, 0), (8, 6), (8, 9))})
-# Where mma.py's kernel runs. sm_90: the fastest path at each point of the H100 sweep in bf16 (Triton
-# 3.6.0, CUDA-graph GPU time per call, NOTES.md item 77), us for bitsandbytes / dequantize + cuBLAS /
-# the tl kernel's route / mma.py's:
+# Where mma.py's kernel runs. sm_90: the fastest path at each point of the H100 sweeps in bf16 (Triton
+# 3.6.0, CUDA-graph GPU time per call), us for bitsandbytes / dequantize + cuBLAS / the tl kernel's
+# route (NOTES.md item 77) / mma.py's with x staged in shared memory (item 78, one round):
 _MMA_TILE = C(8, 64, 256, 8, True, 4, mma=True)._replace  # the 8-row tile, varied below
 MATMUL_ROUTES = {
     (9, 0): (
-        # one row: 29.6 / 100.7 / - / 24.0 at 4096x14336, 30.1 / 100.3 / - / 25.5 at 14336x4096; below 56M
-        # weights its GEMV: 10.8 / 25.9 / - / 11.4 at 4096x4096, 7.0 / 11.3 / - / 8.4 at 4096x1024
+        # one row: 29.4 / 100.7 / - / 25.9 at 4096x14336, 30.0 / 100.3 / - / 25.7 at 14336x4096; below 56M
+        # weights its GEMV: 10.6 / 25.9 / - / 11.5 at 4096x4096, 6.7 / 11.3 / - / 7.7 at 4096x1024
         Route(1, "fused", _MMA_TILE(), min_weight=56 * _M),
         Route(1, "bitsandbytes"),
-        # 66.9 / 100.2 / 49.5 / 27.9 at 4096x14336, M=8; 124.3 / 100.1 / 47.8 / 27.7 at 14336x4096; 37.4 / 25.0 /
-        # 17.8 / 12.0 at 4096x4096; 17.5 / 11.3 / 10.5 / 8.5 at 4096x1024
+        # 66.4 / 100.2 / 49.5 / 26.8 at 4096x14336, M=8; 124.6 / 100.1 / 47.8 / 27.3 at 14336x4096; 37.0 / 25.0 /
+        # 17.8 / 11.8 at 4096x4096; 17.6 / 11.3 / 10.5 / 8.0 at 4096x1024
         Route(8, "fused", _MMA_TILE()),
-        # 16 rows: the 8-row tile over 16 (not swept at 16 rows)
+        # 67.4 / - / - / 30.2 at 4096x14336, M=16 (split 8: 32.6); 124.6 / - / - / 30.2 at 14336x4096; 37.3 /
+        # - / - / 12.7 at 4096x4096; 17.7 / - / - / 8.6 at 4096x1024
+        Route(16, "fused", _MMA_TILE(block_m=16, split_k=4), min_weight=56 * _M, min_out=14336),
         Route(16, "fused", _MMA_TILE(block_m=16)),
-        # 69.9 / 98.8 / - / 38.4 at 4096x14336, M=32; 125.0 / 100.3 / - / 38.2 at 14336x4096; 36.4 / 24.8 / - /
-        # 15.9 at 4096x4096; 17.7 / 11.6 / - / 10.2 at 4096x1024
-        Route(32, "fused", _MMA_TILE(block_m=32, block_n=128, split_k=2), min_weight=56 * _M, min_out=14336),
+        # 69.4 / 98.8 / - / 36.2 at 4096x14336, M=32; 125.2 / 100.3 / - / 34.7 at 14336x4096; 35.9 / 24.8 / - /
+        # 15.0 at 4096x4096; 18.0 / 11.6 / - / 10.0 at 4096x1024
+        Route(32, "fused", _MMA_TILE(block_m=32, split_k=4), min_weight=56 * _M, min_out=14336),
         Route(32, "fused", _MMA_TILE(block_m=32, block_n=128, block_k=64, split_k=16), min_weight=56 * _M),
-        Route(32, "fused", _MMA_TILE(block_m=32, block_k=64)),
-        # 123.2 / 99.0 / 60.9 / 51.9 at 4096x14336, M=64; 125.8 / 101.7 / 81.6 / 60.4 at 14336x4096; 36.6 / 24.7
-        # / - / 19.8 at 4096x4096; 18.4 / 12.5 / - / 12.4 at 4096x1024
+        Route(32, "fused", _MMA_TILE(block_m=32, split_k=4), min_weight=16 * _M),
+        Route(32, "fused", _MMA_TILE(block_m=32, block_n=128, block_k=64, split_k=16)),
+        # 122.5 / 99.0 / 60.9 / 50.6 at 4096x14336, M=64; 126.0 / 101.7 / 81.6 / 59.5 at 14336x4096; below 56M
+        # weights the tiles of item 77's sweep: 36.6 / 24.7 / - / 19.8 at 4096x4096, 18.4 / 12.5 / - / 12.4 at
+        # 4096x1024 with x read by every warp
         Route(64, "fused", _MMA_TILE(block_m=64, block_n=128, block_k=128, split_k=2), min_weight=56 * _M, min_out=14336),
         Route(64, "fused", _MMA_TILE(block_m=64, block_k=128, split_k=4), min_weight=56 * _M),
         Route(64, "fused", _MMA_TILE(block_m=64, block_n=128, block_k=64), min_weight=16 * _M),
         Route(64, "fused", _MMA_TILE(block_m=64, block_k=64)),
-        # 128 rows: mma.sync's rate decides; the tl kernel's wgmma tiles (100.3 and 102.3 us for mma.py's).
-        # Beyond, and below 56M weights, dequantize + cuBLAS (34.9 against 27.8 at 4096x4096, M=128)
+        # 128 rows: the tl kernel's wgmma tiles on the large layers (71.6 us at 4096x14336 against mma.py's
+        # 89.8); dequantize + cuBLAS beyond, and below 56M weights (27.8 against 27.7 at 4096x4096)
         *(route for route in TL_ROUTES[(9, 0)] if route.max_rows == 128),
     ),
 }
@@ -461,8 +465,10 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
                    USE_INT64=n * k > 2**31 - 1, num_warps=config.num_warps)
     if config.mma:
         kernel_fn = mma.nf4_mma_kernel
-        layouts = mma.layouts(config.num_warps, config.block_n, config.block_k, config.block_m)
-        options.update(W_LAYOUT=layouts[0], X_LAYOUT=layouts[1], MMA=layouts[2])
+        w_layout, x_layout, mma_layout = mma.layouts(config.num_warps, config.block_n, config.block_k, config.block_m)
+        x_global, x_shared, x_fragments = mma.x_staging(config.num_warps, config.block_k, config.block_m)
+        options.update(W_LAYOUT=w_layout, X_LAYOUT=x_layout, MMA=mma_layout, X_GLOBAL=x_global, X_SHARED=x_shared,
+                       X_FRAGMENTS=x_fragments)
     else:
         kernel_fn = nf4_matmul_kernel
         options.update(DOT=config.dot, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int, LOOKUP=code_lookup,

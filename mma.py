@@ -4,10 +4,11 @@
 Inside each 64 columns of K the order of the sum is permuted, the same way for the weight and
 for x, so that the 16 codes a thread's A fragments hold are 8 contiguous bytes of one weight
 row: one 8-byte load, no shared memory and no exchange between threads (the layouts' conversion
-is asserted trivial at compile time). Thread ``t`` of a row quad holds physical columns
-``16 t .. 16 t + 15`` of a 64-column chunk; column ``16 t + 4 s + 2 p + q`` sits in k-step ``s``
-at logical column ``16 s + 8 p + 2 t + q``, which is where mma.sync expects A[g][2t + q] (p = 0)
-and A[g][2t + 8 + q] (p = 1), and B likewise.
+is asserted trivial at compile time). x's tile, which every warp needs whole, is read once a
+program into shared memory, coalesced, and read back in the fragments' order. Thread ``t`` of a
+row quad holds physical columns ``16 t .. 16 t + 15`` of a 64-column chunk; column
+``16 t + 4 s + 2 p + q`` sits in k-step ``s`` at logical column ``16 s + 8 p + 2 t + q``, which is
+where mma.sync expects A[g][2t + q] (p = 0) and A[g][2t + 8 + q] (p = 1), and B likewise.
 
 A code's value comes from a warp shuffle: lane ``l`` holds ``codebook[l % 16]``, and
 ``shfl.sync.idx`` reads only the low 5 bits of its index, so a word shifted right by ``4 j`` is
@@ -28,10 +29,11 @@ try:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     AVAILABLE = hasattr(gl, "DistributedLinearLayout")
+    _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # its name before Triton 3.7
 except ImportError:  # Triton before 3.6
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "layouts", "nf4_mma_kernel"]
+__all__ = ["AVAILABLE", "layouts", "x_staging", "nf4_mma_kernel"]
 
 
 def _bases(dim, rank, count, first=1):
@@ -66,6 +68,25 @@ def layouts(num_warps, block_n, block_k, block_m):
         shape=[block_m, chunks, 4, 2, 8])
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
     return weight, x, mma
+
+
+@functools.lru_cache(maxsize=None)
+def x_staging(num_warps, block_k, block_m):
+    """(global layout, shared layout, read layout) of x's tile [BLOCK_M, BLOCK_K] on its way through
+    shared memory: read from global in 16-byte vectors with lanes along K; 16-byte vectors swizzled by
+    row so that a quad's reads of 8 rows take 4 wavefronts; read back as ``layouts(...)[1]`` over
+    [BLOCK_M, BLOCK_K]."""
+    lanes_k = min(32, block_k // 8)
+    coalesced = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // lanes_k, lanes_k],
+                                 warps_per_cta=[num_warps, 1], order=[1, 0])
+    shared = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    fragments = gl.DistributedLinearLayout(
+        reg_bases=_bases(1, 2, 4) + _bases(1, 2, _log2(block_k // 64), 64) + _bases(0, 2, _log2(block_m // 8), 8),
+        lane_bases=_bases(1, 2, 2, 16) + _bases(0, 2, 3),
+        warp_bases=[[0, 0]] * _log2(num_warps),  # every warp reads all of x's tile
+        block_bases=[],
+        shape=[block_m, block_k])
+    return coalesced, shared, fragments
 
 
 if AVAILABLE:
@@ -130,6 +151,9 @@ if AVAILABLE:
         W_LAYOUT: gl.constexpr,  # layouts(...)[0]
         X_LAYOUT: gl.constexpr,  # layouts(...)[1]
         MMA: gl.constexpr,  # layouts(...)[2]
+        X_GLOBAL: gl.constexpr,  # x_staging(...)[0]
+        X_SHARED: gl.constexpr,  # x_staging(...)[1]
+        X_FRAGMENTS: gl.constexpr,  # x_staging(...)[2]
     ):
         CHUNKS: gl.constexpr = BLOCK_K // 64
         pid_n = gl.program_id(0)
@@ -156,12 +180,12 @@ if AVAILABLE:
         if FP4:  # bitsandbytes forms an FP4 value as sign * magnitude: code 8 is -0.0
             entry = (entry.to(gl.uint32, bitcast=True) | ((lane >> 3).to(gl.uint32) << 31)).to(gl.float32, bitcast=True)
 
-        # x's indices, [BLOCK_M, CHUNKS, 4, 2, 8]
-        x_row = pid_m * BLOCK_M + _along(BLOCK_M, 0, X_LAYOUT)
-        x_col = (_along(CHUNKS, 1, X_LAYOUT) * 64 + _along(4, 2, X_LAYOUT) * 16 + _along(2, 3, X_LAYOUT) * 8
-                 + _along(8, 4, X_LAYOUT))
-        x_ptrs = x_ptr + x_row * stride_xm + x_col
+        # x's tile goes through shared memory: read once a program, coalesced, where each warp read it
+        # all in the mma's order (32-byte pieces 64 bytes apart: half of every sector wasted)
+        x_row = gl.expand_dims(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_GLOBAL)), 1)
+        x_ptrs = x_ptr + x_row * stride_xm + gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, X_GLOBAL)), 0)
         x_mask = x_row < M
+        x_tile = gl.allocate_shared_memory(X_DTYPE, [BLOCK_M, BLOCK_K], X_SHARED)
 
         if NESTED:
             offset = gl.load(offset_ptr)
@@ -192,6 +216,11 @@ if AVAILABLE:
             a = gl.convert_layout(_mma_order(weights, BLOCK_N, BLOCK_K), gl.DotOperandLayout(0, MMA, 2),
                                   assert_trivial=True)
             x = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
+            _barrier()  # every warp has read the last step's tile
+            x_tile.store(x)
+            _barrier()
+            x = gl.convert_layout(gl.reshape(x_tile.load(X_FRAGMENTS), [BLOCK_M, CHUNKS, 4, 2, 8]), X_LAYOUT,
+                                  assert_trivial=True)
             b = gl.convert_layout(gl.permute(_mma_order(x, BLOCK_M, BLOCK_K), [1, 0]), gl.DotOperandLayout(1, MMA, 2),
                                   assert_trivial=True)
             acc = mma_v2(a, b, acc)
