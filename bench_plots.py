@@ -1,7 +1,8 @@
 """Charts of a results folder, drawn from its CSVs alone: kernel time as % of the copy roofline
 (kernel_roofline.png), the launch sweep (sweep.png), the model's speed over bitsandbytes
-(model.png), the fused matmul over M (matmul.png) and servebench's decode, prefill and QLoRA
-(serve.png, serve_losses.png). ``python bench.py --plot FOLDER`` redraws them."""
+(model.png), the fused matmul over M (matmul.png), servebench's decode, prefill and QLoRA
+(serve.png, serve_losses.png) and fsdp_qlora.py's loss curves per FSDP flavour and size
+(fsdp_losses.png). ``python bench.py --plot FOLDER`` redraws them."""
 
 import os
 
@@ -72,7 +73,7 @@ def plot(folder):
     matmul_csv = os.path.join(folder, "matmul.csv")
     if os.path.exists(matmul_csv):
         written.append(plot_matmul(pd.read_csv(matmul_csv), os.path.join(folder, "matmul.png"), plt))
-    return written + plot_serve(folder)
+    return written + plot_serve(folder) + plot_fsdp(folder)
 
 
 def plot_matmul(frame, path, plt):
@@ -145,6 +146,41 @@ def plot_serve(folder):
     return written
 
 
+def plot_fsdp(folder):
+    """fsdp_qlora.py's loss curves (fsdp_losses.png) from each flavour whose fsdpN.csv and
+    fsdpN_losses.csv are in the folder: a panel per flavour and size, a line per contender; returns
+    the paths written (none where no flavour's files are there)."""
+    import matplotlib
+    import pandas as pd
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [name for name in ("fsdp1", "fsdp2") if all(os.path.exists(os.path.join(folder, f"{name}{suffix}.csv"))
+                                                       for suffix in ("", "_losses"))]
+    if not runs:
+        return []
+    metas = [pd.read_csv(os.path.join(folder, f"{name}.csv")).iloc[0] for name in runs]
+    tables = [pd.read_csv(os.path.join(folder, f"{name}_losses.csv")) for name in runs]
+    columns = max(table["model"].nunique() for table in tables)
+    fig, axes = plt.subplots(len(runs), columns, figsize=(4.5 * columns, 3.8 * len(runs)), squeeze=False)
+    for panels, losses in zip(axes, tables):
+        sizes = list(losses.groupby(["fsdp", "model"], sort=False))
+        for ax, ((flavour, model), rows) in zip(panels, sizes):
+            for index, (name, curve) in enumerate(rows.groupby("implementation", sort=False)):
+                # Dashes: equal losses, the point of the run, draw one curve over another.
+                ax.plot(curve["step"], curve["loss"], label=name, linewidth=1.2, linestyle=("-", "--", ":")[index % 3])
+            ax.set_xlabel("QLoRA step")
+            ax.set_ylabel("loss (mean over ranks)")
+            ax.set_title(f"{model}\n{flavour}", fontsize=10)
+        for ax in panels[len(sizes):]:  # a flavour that ran fewer sizes than the other
+            ax.set_visible(False)
+    title = "\n".join(dict.fromkeys(f"{meta['world_size']} x {run_line(meta)} | transformers "
+                                    f"{meta['transformers_version']} | peft {meta['peft_version']}" for meta in metas))
+    return [_save_with_legend_below(plt, fig, axes, os.path.join(folder, "fsdp_losses.png"), title, ncol=None,
+                                    fontsize=9, bottom=0.1, dpi=90)]
+
+
 def _speed_bars(ax, rows, tokens, rot):
     """Bars of each contender's speed over bitsandbytes' (its median time over theirs) per case, a case
     being a row's kind and ``tokens``; the legend is left to the figure."""
@@ -182,6 +218,7 @@ def plot_model(frame, path, plt):
 
 
 def run_line(meta):
-    """The GPU and versions of a CSV row, as a chart's title gives them."""
-    return (f"{meta['gpu']} | torch {meta['torch_version']} | triton {meta['triton_version']} | "
-            f"bnb {meta['bitsandbytes_version']} | unsloth {meta['unsloth_version']}")
+    """The GPU and versions of a CSV row, as a chart's title gives them (Unsloth's where the row has it)."""
+    line = (f"{meta['gpu']} | torch {meta['torch_version']} | triton {meta['triton_version']} | "
+            f"bnb {meta['bitsandbytes_version']}")
+    return line + (f" | unsloth {meta['unsloth_version']}" if "unsloth_version" in meta else "")

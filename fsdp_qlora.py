@@ -1,26 +1,36 @@
-"""QLoRA under FSDP on several GPUs: bitsandbytes' own Linear4bit against the drop-in, one job.
+"""QLoRA under FSDP on several GPUs: bitsandbytes' own Linear4bit against the drop-in, side by side in one job.
 
-    torchrun --nproc_per_node 2 fsdp_qlora.py [--sizes 2048x5632x4,4096x14336x2] [--steps 20]
-                                              [--plan-steps 1000] [--fsdp 1|2] [--out results]
+    torchrun --nproc_per_node 2 fsdp_qlora.py [--sizes 2048x5632x4,4096x14336x2,4096x14336x8@2x2048]
+                                              [--steps 20] [--plan-steps 1000] [--fsdp 1|2] [--out results]
 
 The path PEFT, Accelerate and TRL document for FSDP QLoRA: the model of modelbench.py (random
 weights saved offline) loaded in 4-bit NF4 with ``bnb_4bit_quant_storage=torch.bfloat16`` so that
 FSDP can flatten and shard the packed bytes with the rest, PEFT LoRA r=16 on every linear layer,
 FSDP (PyTorch's FSDP1, ``use_orig_params=False``, PEFT's ``fsdp_auto_wrap_policy``: each decoder
 layer a unit, each LoRA layer a unit of its own, bf16 mixed precision; ``--fsdp 2``: FSDP2's
-``fully_shard`` on each decoder layer and the root, bf16 parameters and reductions), AdamW, fixed random token
-batches (each rank its own), LoRA weights in bf16. Each contender trains from the same LoRA initialisation on the same
-batches: losses per step and the first step's LoRA gradients are compared, and every rank's frozen
-shards (the 4-bit weights among them) must be bit-for-bit what they were before training. Then the
-drop-in trains ``--plan-steps`` more steps with every dequantization checked against the validating
-path, counting launch plans (live, made) and calls that missed one.
+``fully_shard`` on each decoder layer and the root, bf16 parameters and reductions), AdamW, fixed
+random token batches (each rank its own), LoRA weights in bf16. Sizes are modelbench.py's models or,
+spelled with the tokens per rank and step, real-size ones with Llama-3's vocabulary (``--sizes``).
+
+Side by side: every contender's model is loaded and wrapped first, each from the same LoRA
+initialisation with its own AdamW; then each step runs for every contender in turn, the order turning
+each step. Losses per step and the first step's LoRA gradients are compared with bitsandbytes', and
+every rank's frozen shards (the 4-bit weights among them) must be bit-for-bit what they were before
+training. Memory per rank: what the loaded, wrapped model holds and each step's peak above what was
+allocated before it. Then, first size only, the drop-in trains ``--plan-steps`` more steps with every
+dequantization checked against the validating path, counting launch plans (live, made) and calls that
+missed one. Writes fsdp1.csv and fsdp1_losses.csv (``--fsdp 2``: fsdp2.csv, fsdp2_losses.csv) into the
+per-GPU results folder, again after each size.
 """
 
 import argparse
 import gc
 import os
+import re
+import shutil
 import tempfile
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -31,28 +41,80 @@ import kernel
 import modelbench
 
 CONTENDERS = ("bitsandbytes", "nf4-triton")
-TOKENS = (4, 512)  # per rank and step
+TOKENS = (4, 512)  # per rank and step, for modelbench's models
+# Llama-3's, as servebench.VOCAB; not imported from there: servebench.py is none of the package's py-modules.
+LLAMA3_VOCAB = 128256
+WARMUP_STEPS = 2  # left out of the step-time medians: the first step makes the drop-in's plans and AdamW's state
+SIZES = "2048x5632x4,4096x14336x2,4096x14336x8@2x2048"
+SIZE_SPELLING = re.compile(r"(\d+x\d+)x(\d+)(?:@(\d+)x(\d+))?")
 # Versions in each row: Unsloth is not a contender here and is not imported.
 PACKAGES = ("torch", "triton", "bitsandbytes", "transformers", "peft")
+FSDP_FLAVOURS = {1: "FSDP1 use_orig_params=False", 2: "FSDP2 fully_shard"}
+# The drop-in's plan counts; a bitsandbytes row leaves them empty.
+PLAN_COLUMNS = ("timed_plan_misses", "timed_live_plans", "plan_calls", "plan_misses", "stale_results",
+                "most_live_plans", "live_plans_after")
+
+
+class Size(NamedTuple):
+    """One ``--sizes`` entry: its spelling, the shape of modelbench.SIZES it takes, its decoder
+    layers, tokens per rank and step (batch, sequence) and vocabulary."""
+
+    name: str
+    shape: str
+    layers: int
+    tokens: tuple
+    vocab_size: int
+
+
+def parse_size(name):
+    """``HIDDENxINTERMEDIATExLAYERS[@BATCHxSEQUENCE]`` as a Size; a ValueError says what is wrong."""
+    spelled = SIZE_SPELLING.fullmatch(name)
+    if spelled is None:
+        raise ValueError(f"size {name!r} is not HIDDENxINTERMEDIATExLAYERS[@BATCHxSEQUENCE]")
+    hidden_intermediate, layers, batch, sequence = spelled.groups()
+    shape = next((key for key in modelbench.SIZES if key.startswith(f"{hidden_intermediate}x")), None)
+    if shape is None:
+        raise ValueError(f"size {name!r}: no shape {hidden_intermediate} in modelbench.SIZES "
+                         f"({', '.join(modelbench.SIZES)})")
+    if int(layers) < 1:
+        raise ValueError(f"size {name!r}: a model needs at least one decoder layer")
+    config = modelbench.llama_config(shape)
+    if batch is None:  # modelbench's model: its vocabulary, its training tokens
+        return Size(name, shape, int(layers), TOKENS, config.vocab_size)
+    longest = config.max_position_embeddings
+    if int(batch) < 1 or not 2 <= int(sequence) <= longest:  # a next-token loss needs two positions
+        raise ValueError(f"size {name!r}: the batch must be at least 1 and the sequence from 2 to {longest} "
+                         "(the model's max_position_embeddings)")
+    return Size(name, shape, int(layers), (int(batch), int(sequence)), LLAMA3_VOCAB)
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default=",".join(modelbench.SIZES),
-                        help=f"comma-separated model sizes from {','.join(modelbench.SIZES)}")
-    parser.add_argument("--steps", type=int, default=20, help="training steps per contender")
+    config = modelbench.llama_config(next(iter(modelbench.SIZES)))
+    parser.add_argument("--sizes", default=SIZES, help=(
+        "comma-separated HIDDENxINTERMEDIATExLAYERS[@BATCHxSEQUENCE]: HIDDENxINTERMEDIATE picks the shape of "
+        f"modelbench.SIZES ({', '.join(modelbench.SIZES)}) whose name starts with it, LAYERS its decoder layers. "
+        f"Without @: modelbench's model, vocabulary {config.vocab_size}, {TOKENS[0]}x{TOKENS[1]} tokens per rank "
+        f"and step. With @BATCHxSEQUENCE: a real-size model, Llama-3's vocabulary ({LLAMA3_VOCAB}, as "
+        "servebench.py loads it), BATCHxSEQUENCE tokens per rank and step, SEQUENCE at most "
+        f"{config.max_position_embeddings} (the model's max_position_embeddings). Default: %(default)s"))
+    parser.add_argument("--steps", type=int, default=20,
+                        help=f"training steps per contender, the first {WARMUP_STEPS} left out of the medians")
     parser.add_argument("--plan-steps", type=int, default=1000,
                         help="more steps with the drop-in, every dequantization checked (first size only)")
     parser.add_argument("--fsdp", type=int, choices=(1, 2), default=1,
                         help="1: FullyShardedDataParallel (use_orig_params=False); 2: fully_shard")
     parser.add_argument("--out", default="results", help="folder for CSVs (a per-GPU subfolder is made)")
     args = parser.parse_args(argv)
-    args.sizes = args.sizes.split(",")
-    unknown = set(args.sizes) - set(modelbench.SIZES)
-    if unknown:
-        parser.error(f"unknown sizes {sorted(unknown)}; choose from {','.join(modelbench.SIZES)}")
-    if args.steps < 2 or args.plan_steps < 0:
-        parser.error("--steps must be at least 2 and --plan-steps at least 0")
+    try:
+        args.sizes = [parse_size(name) for name in args.sizes.split(",")]
+    except ValueError as error:
+        parser.error(str(error))
+    names = [size.name for size in args.sizes]
+    if len(set(names)) < len(names):
+        parser.error(f"--sizes names a size twice: {','.join(names)}")
+    if args.steps <= WARMUP_STEPS or args.plan_steps < 0:
+        parser.error(f"--steps must be more than {WARMUP_STEPS} and --plan-steps at least 0")
     return args
 
 
@@ -65,12 +127,15 @@ def compare_losses(reference, other):
     return first is None, max(differences, default=0.0), first
 
 
-def batch(step, rank, vocab_size, device):
+def loss_rows(flavour, size_name, contender, losses):
+    """One contender's rows of fsdpN_losses.csv at one size."""
+    return [dict(fsdp=FSDP_FLAVOURS[flavour], model=size_name, implementation=contender, step=step, loss=loss)
+            for step, loss in enumerate(losses)]
+
+
+def batch(step, rank, tokens, vocab_size, device):
     generator = torch.Generator(device).manual_seed(1000 * step + rank)
-    return torch.randint(0, vocab_size, TOKENS, device=device, generator=generator)
-
-
-FSDP_FLAVOURS = {1: "FSDP1 use_orig_params=False", 2: "FSDP2 fully_shard"}
+    return torch.randint(0, vocab_size, tokens, device=device, generator=generator)
 
 
 def wrap(model, flavour=1):
@@ -105,7 +170,8 @@ class CheckedDequantize:
         plans = kernel.PLANS.stats()
         self.misses += plans["kept"] - kept
         self.most_plans = max(self.most_plans, plans["live"])
-        expected = kernel.dequantize_nf4(packed, quant_state, out=torch.empty(got.shape, dtype=got.dtype, device=got.device))
+        expected = kernel.dequantize_nf4(packed, quant_state,
+                                         out=torch.empty(got.shape, dtype=got.dtype, device=got.device))
         if not torch.equal(got.view(torch.int16), expected.view(torch.int16)):
             self.stale += 1
         return got
@@ -138,64 +204,135 @@ def changed_weights(before, after):
         f"+{name}" for name in after if name not in before]
 
 
-def train(folder, contender, steps, rank, world, plan_steps=0, flavour=1):
-    """One contender's run; returns its record (rank's own numbers)."""
-    model = modelbench.load_4bit(folder, torch.bfloat16, device_map={"": rank}, quant_storage=torch.bfloat16)
-    torch.manual_seed(0)
-    model = modelbench.add_lora(model)
-    # LoRA weights in bf16 like the rest: PEFT casts a layer's input to its adapter's dtype, read
-    # outside the adapter's FSDP unit (the fp32 shard) while FSDP computes in bf16 inside it.
-    for parameter in model.parameters():
-        if parameter.requires_grad:
-            parameter.data = parameter.data.to(torch.bfloat16)
-    model = wrap(model, flavour)
-    if contender != "bitsandbytes":
-        dropin.enable(model)
-    frozen = frozen_weights(model)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    vocab = modelbench.llama_config(modelbench_size(folder)).vocab_size
-    device = torch.device("cuda", torch.cuda.current_device())
-    losses, seconds, grads = [], [], None
-    torch.cuda.reset_peak_memory_stats()
-    start_bytes = torch.cuda.memory_allocated()
-    for step in range(steps):
-        ids = batch(step, rank, vocab, device)
+class Contender:
+    """One contender's model (loaded, LoRA added, wrapped, routed), its optimizer, its frozen weights
+    as they were before training, and what its steps measured on this rank."""
+
+    def __init__(self, name, folder, flavour):
+        self.name = name
+        gc.collect()  # the previous load's garbage in reference cycles, counted in neither model's memory
+        before = torch.cuda.memory_allocated()
+        model = modelbench.load_4bit(folder, torch.bfloat16, device_map={"": torch.cuda.current_device()},
+                                     quant_storage=torch.bfloat16)
+        self.vocab_size = model.config.vocab_size  # the batches' token range: the saved model's own
+        torch.manual_seed(0)  # every contender's LoRA starts from the same weights
+        model = modelbench.add_lora(model)
+        # LoRA weights in bf16 like the rest: PEFT casts a layer's input to its adapter's dtype, read
+        # outside the adapter's FSDP unit (the fp32 shard) while FSDP computes in bf16 inside it.
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.data = parameter.data.to(torch.bfloat16)
+        self.model = wrap(model, flavour)
+        if name.split(" ")[0] != "bitsandbytes":
+            dropin.enable(self.model)
+        gc.collect()  # the load's own garbage in reference cycles: not the model's
+        self.resident_bytes = torch.cuda.memory_allocated() - before
+        self.frozen = frozen_weights(self.model)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=1e-4)
+        self.losses, self.seconds, self.grads, self.step_peak_bytes, self.plans = [], [], None, 0, {}
+
+    def step(self, ids, world):
+        """One timed training step on ``ids``: its seconds, its peak above what was allocated before
+        it, the loss averaged over ranks, and the first step's LoRA gradients."""
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
         start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
-        if step == 0:
-            grads = [whole(p.grad.detach()).clone() for p in trainable if p.grad is not None]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if self.grads is None:
+            self.grads = [whole(p.grad.detach()).clone() for p in self.trainable if p.grad is not None]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
+        self.seconds.append(time.perf_counter() - start)
+        self.step_peak_bytes = max(self.step_peak_bytes, torch.cuda.max_memory_allocated() - before)
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean)
-        losses.append(mean.item() / world)
-    median, p20, p80 = bench_timing.summarize(seconds[2:])  # the first two steps warm up
-    # Peak above what the wrapped model, its optimizer and the batch held before the first step.
-    record = dict(losses=losses, grads=grads, peak_mib=(torch.cuda.max_memory_allocated() - start_bytes) / 2**20,
-                  step_ms=median * 1e3, step_ms_p20=p20 * 1e3, step_ms_p80=p80 * 1e3)
-    changed = changed_weights(frozen, frozen_weights(model))
-    record["shards_unchanged"] = not changed
-    record["frozen_changed_or_added"] = " ".join(changed)
-    if plan_steps:
+        self.losses.append(mean.item() / world)
+
+    def changed_frozen_weights(self):
+        """Names of the frozen weights whose bytes differ from before training (``changed_weights``)."""
+        return changed_weights(self.frozen, frozen_weights(self.model))
+
+    def checked_steps(self, steps, first_step, rank, tokens):
+        """``steps`` more training steps, every dequantization checked; their plan columns."""
         checked = CheckedDequantize()
-        dropin.disable(model)
-        dropin.enable(model, dequantize=checked)
-        for step in range(plan_steps):
-            ids = batch(steps + step, rank, vocab, device)
-            model(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        record.update(plan_calls=checked.calls, plan_misses=checked.misses, stale_results=checked.stale,
-                      most_live_plans=checked.most_plans, live_plans_after=kernel.PLANS.stats()["live"])
-    del model, optimizer
-    gc.collect()  # the model's reference cycles, before the next run's peak is measured
-    torch.cuda.empty_cache()
-    return record
+        dropin.disable(self.model)
+        dropin.enable(self.model, dequantize=checked)
+        device = torch.device("cuda", torch.cuda.current_device())
+        for step in range(first_step, first_step + steps):
+            ids = batch(step, rank, tokens, self.vocab_size, device)
+            self.model(input_ids=ids, labels=ids).loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return dict(plan_calls=checked.calls, plan_misses=checked.misses, stale_results=checked.stale,
+                    most_live_plans=checked.most_plans, live_plans_after=kernel.PLANS.stats()["live"])
+
+
+def run_size(size, folder, args, rank, world, first):
+    """Every contender at one size, side by side; returns (CSV rows, loss rows), each row naming
+    every rank's memory, frozen-shard and plan numbers."""
+    names = list(CONTENDERS) + (["bitsandbytes (again)"] if first else [])
+    contenders = [Contender(name, folder, args.fsdp) for name in names]
+    ours = next(contender for contender in contenders if contender.name == "nf4-triton")
+    vocab = ours.vocab_size
+    device = torch.device("cuda", torch.cuda.current_device())
+    kept = kernel.PLANS.stats()["kept"]
+    for step in range(args.steps):
+        ids = batch(step, rank, size.tokens, vocab, device)
+        turn = step % len(contenders)  # the order turns each step: no contender always goes first
+        for contender in contenders[turn:] + contenders[:turn]:
+            contender.step(ids, world)
+    # Only the drop-in keeps plans: the first step of each layer makes its plan, so more kept than
+    # the layers' count is a later call that missed one.
+    plans = kernel.PLANS.stats()
+    ours.plans.update(timed_plan_misses=plans["kept"] - kept, timed_live_plans=plans["live"])
+    changed = {contender.name: contender.changed_frozen_weights() for contender in contenders}
+    if first and args.plan_steps:
+        ours.plans.update(ours.checked_steps(args.plan_steps, args.steps, rank, size.tokens))
+    reference = contenders[0]
+    tokens = world * size.tokens[0] * size.tokens[1]
+    rows, losses = [], []
+    for contender in contenders:
+        equal, largest, first_differing = compare_losses(reference.losses, contender.losses)
+        grads = list(zip(reference.grads, contender.grads))
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, dict(
+            resident=contender.resident_bytes / 2**20, peak=contender.step_peak_bytes / 2**20,
+            changed=changed[contender.name], grads=all(torch.equal(a, b) for a, b in grads),
+            grad_diff=max((a.float() - b.float()).abs().max().item() for a, b in grads), plans=contender.plans))
+        median, p20, p80 = bench_timing.summarize(contender.seconds[WARMUP_STEPS:])
+        row = dict(gpu=torch.cuda.get_device_name(), world_size=world, timestamp=bench_results.utc_timestamp(),
+                   **bench_results.version_columns(PACKAGES), model=size.name, implementation=contender.name,
+                   fsdp=FSDP_FLAVOURS[args.fsdp], steps=args.steps, tokens_per_step=tokens, vocab_size=vocab,
+                   median_step_ms=median * 1e3, p20_step_ms=p20 * 1e3, p80_step_ms=p80 * 1e3,
+                   tokens_per_s=tokens / median,
+                   resident_mib_per_rank=" ".join(f"{g['resident']:.0f}" for g in gathered),
+                   step_peak_mib_per_rank=" ".join(f"{g['peak']:.0f}" for g in gathered),
+                   losses_equal_bitsandbytes=equal, loss_max_diff=largest, first_differing_step=first_differing,
+                   lora_grads_equal_bitsandbytes=all(g["grads"] for g in gathered),
+                   lora_grad_max_diff=max(g["grad_diff"] for g in gathered),
+                   frozen_shards_unchanged=not any(g["changed"] for g in gathered),
+                   frozen_changed_or_added=" | ".join(f"rank {index}: {' '.join(g['changed'])}"
+                                                      for index, g in enumerate(gathered) if g["changed"])[:500])
+        for key in PLAN_COLUMNS:
+            values = [g["plans"].get(key) for g in gathered]
+            row[key] = "" if values[0] is None else " ".join(map(str, values))
+        rows.append(row)
+        losses += loss_rows(args.fsdp, size.name, contender.name, contender.losses)
+        if rank == 0:
+            print(f"{size.name} {contender.name}: {row['median_step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} "
+                  f"tokens/s, resident {row['resident_mib_per_rank']} MiB, step peak {row['step_peak_mib_per_rank']} "
+                  f"MiB, losses equal {equal} (max diff {largest:.3g}), LoRA grads equal "
+                  f"{row['lora_grads_equal_bitsandbytes']} (max diff {row['lora_grad_max_diff']:.3g}), frozen shards "
+                  f"unchanged {row['frozen_shards_unchanged']} {row['frozen_changed_or_added'][:200]}"
+                  + (f", timed steps: {row['timed_plan_misses']} plans made, {row['timed_live_plans']} live"
+                     if row["timed_plan_misses"] else "")
+                  + (f", checked: {row['plan_calls']} calls, {row['plan_misses']} misses, {row['stale_results']} "
+                     f"stale, at most {row['most_live_plans']} live" if row["plan_calls"] else ""), flush=True)
+    return rows, losses
 
 
 def main(argv=None):
@@ -207,67 +344,27 @@ def main(argv=None):
     shared = [root]
     torch.distributed.broadcast_object_list(shared)
     root = shared[0]
-    rows, loss_rows = [], []
+    rows, losses = [], []
+    results = bench_results.results_folder(args.out)
     for index, size in enumerate(args.sizes):
-        folder = os.path.join(root, size)
+        folder = os.path.join(root, size.name)
         if rank == 0:
-            modelbench.save_random_llama(size, folder)
+            modelbench.save_random_llama(size.shape, folder, vocab_size=size.vocab_size, layers=size.layers)
         torch.distributed.barrier()
-        records = {}
-        runs = list(CONTENDERS) + (["bitsandbytes (again)"] if index == 0 else [])
-        for contender in runs:
-            plan_steps = args.plan_steps if contender == "nf4-triton" and index == 0 else 0
-            records[contender] = train(folder, contender.split(" ")[0], args.steps, rank, world, plan_steps,
-                                       args.fsdp)
-        reference = records["bitsandbytes"]
-        for contender, record in records.items():
-            equal, largest, first = compare_losses(reference["losses"], record["losses"])
-            grads_equal = all(torch.equal(a, b) for a, b in zip(reference["grads"], record["grads"]))
-            grad_diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(reference["grads"], record["grads"]))
-            gathered = [None] * world
-            torch.distributed.all_gather_object(gathered, dict(peak=record["peak_mib"], shards=record["shards_unchanged"],
-                                                               changed=record["frozen_changed_or_added"],
-                                                               grads=grads_equal, grad_diff=grad_diff,
-                                                               plans={k: record.get(k) for k in (
-                                                                   "plan_calls", "plan_misses", "stale_results",
-                                                                   "most_live_plans", "live_plans_after")}))
-            row = dict(gpu=torch.cuda.get_device_name(), world_size=world, timestamp=bench_results.utc_timestamp(),
-                       **bench_results.version_columns(PACKAGES), model=size, implementation=contender,
-                       fsdp=FSDP_FLAVOURS[args.fsdp], steps=args.steps, tokens_per_step=world * TOKENS[0] * TOKENS[1],
-                       median_step_ms=record["step_ms"], p20_step_ms=record["step_ms_p20"],
-                       p80_step_ms=record["step_ms_p80"],
-                       tokens_per_s=world * TOKENS[0] * TOKENS[1] / record["step_ms"] * 1e3,
-                       peak_above_start_mib_per_rank=" ".join(f"{g['peak']:.0f}" for g in gathered),
-                       losses_equal_bitsandbytes=equal, loss_max_diff=largest, first_differing_step=first,
-                       lora_grads_equal_bitsandbytes=all(g["grads"] for g in gathered),
-                       lora_grad_max_diff=max(g["grad_diff"] for g in gathered),
-                       frozen_shards_unchanged=all(g["shards"] for g in gathered),
-                       frozen_changed_or_added=" | ".join(g["changed"] for g in gathered)[:500])
-            for key in ("plan_calls", "plan_misses", "stale_results", "most_live_plans", "live_plans_after"):
-                values = [g["plans"][key] for g in gathered]
-                row[key] = "" if values[0] is None else " ".join(map(str, values))
-            rows.append(row)
-            loss_rows += [dict(model=size, implementation=contender, step=step, loss=loss)
-                          for step, loss in enumerate(record["losses"])]
-            if rank == 0:
-                print(f"{size} {contender}: {record['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s, "
-                      f"peak {row['peak_above_start_mib_per_rank']} MiB, losses equal {equal} (max diff {largest:.3g}), "
-                      f"LoRA grads equal {row['lora_grads_equal_bitsandbytes']} (max diff {row['lora_grad_max_diff']:.3g}), "
-                      f"frozen shards unchanged {row['frozen_shards_unchanged']} {row['frozen_changed_or_added'][:200]}"
-                      + (f", plans: {row['plan_calls']} calls, {row['plan_misses']} misses, "
-                         f"{row['stale_results']} stale, at most {row['most_live_plans']} live" if row["plan_calls"] else ""),
-                      flush=True)
+        size_rows, size_losses = run_size(size, folder, args, rank, world, first=index == 0)
+        rows += size_rows
+        losses += size_losses
+        if rank == 0:  # after every size: a run stopped in a later one keeps the sizes done
+            shutil.rmtree(folder)  # every rank loaded its models: run_size's all_gather_object waited for them
+            os.makedirs(results, exist_ok=True)
+            for name, table in ((f"fsdp{args.fsdp}.csv", rows), (f"fsdp{args.fsdp}_losses.csv", losses)):
+                bench_results.write_csv(os.path.join(results, name), table)
+            print("wrote", results, flush=True)
+        gc.collect()  # the models' reference cycles (their plans go with them), before the next size loads
+        torch.cuda.empty_cache()
     if rank == 0:
-        folder = bench_results.results_folder(args.out)
-        os.makedirs(folder, exist_ok=True)
-        for name, table in (("fsdp.csv", rows), ("fsdp_losses.csv", loss_rows)):
-            bench_results.write_csv(os.path.join(folder, name), table)
-        print("wrote", folder)
+        os.rmdir(root)
     torch.distributed.destroy_process_group()
-
-
-def modelbench_size(folder):
-    return os.path.basename(folder.rstrip(os.sep))
 
 
 if __name__ == "__main__":

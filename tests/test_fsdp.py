@@ -1,6 +1,6 @@
-"""fsdp_qlora.py: its arguments, its CSV's version columns and loss comparison on the CPU; the
-two-GPU run itself where two GPUs are present (a short run: every frozen shard unchanged, no stale
-plan, plans bounded)."""
+"""fsdp_qlora.py: its arguments and sizes, its CSV's version columns, loss comparison and loss chart on
+the CPU; the two-GPU run itself where two GPUs are present (a short run: every frozen shard unchanged,
+no stale plan, plans bounded)."""
 
 import csv
 import os
@@ -11,20 +11,50 @@ import sys
 import pytest
 import torch
 
+import bench_plots
 import bench_results
 import fsdp_qlora
+import servebench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_arguments():
     args = fsdp_qlora.parse_args([])
-    assert args.sizes == ["2048x5632x4", "4096x14336x2"] and args.steps == 20 and args.plan_steps == 1000
-    assert fsdp_qlora.parse_args(["--sizes", "4096x14336x2", "--steps", "3"]).sizes == ["4096x14336x2"]
-    assert args.fsdp == 1 and fsdp_qlora.parse_args(["--fsdp", "2"]).fsdp == 2
+    assert [size.name for size in args.sizes] == ["2048x5632x4", "4096x14336x2", "4096x14336x8@2x2048"]
+    assert args.steps == 20 and args.plan_steps == 1000 and args.fsdp == 1
+    args = fsdp_qlora.parse_args(["--sizes", "4096x14336x2", "--steps", "3", "--fsdp", "2"])
+    assert [size.name for size in args.sizes] == ["4096x14336x2"] and args.steps == 3 and args.fsdp == 2
 
 
-@pytest.mark.parametrize("argv", [["--sizes", "7b"], ["--steps", "1"], ["--plan-steps", "-1"], ["--fsdp", "3"]])
+def test_sizes():
+    """modelbench's models as committed, a shape with other layers, and real-size models spelled
+    with their tokens per rank and step (Llama-3's vocabulary)."""
+    Size = fsdp_qlora.Size
+    assert fsdp_qlora.parse_size("2048x5632x4") == Size("2048x5632x4", "2048x5632x4", 4, (4, 512), 32000)
+    assert fsdp_qlora.parse_size("4096x14336x2") == Size("4096x14336x2", "4096x14336x2", 2, (4, 512), 32000)
+    assert fsdp_qlora.parse_size("2048x5632x1") == Size("2048x5632x1", "2048x5632x4", 1, (4, 512), 32000)
+    assert fsdp_qlora.parse_size("4096x14336x8@2x2048") == Size(
+        "4096x14336x8@2x2048", "4096x14336x2", 8, (2, 2048), 128256)
+    assert fsdp_qlora.LLAMA3_VOCAB == servebench.VOCAB  # servebench's real-size model
+    assert fsdp_qlora.parse_size("2048x5632x4@1x2").tokens == (1, 2)
+
+
+@pytest.mark.parametrize("size, error", [
+    ("7b", "is not HIDDENxINTERMEDIATExLAYERS"), ("4096x1433x2", "no shape 4096x1433"),
+    ("1024x4096x2", "no shape 1024x4096"), ("4096x14336", "is not"), ("4096x14336x0", "at least one decoder layer"),
+    ("4096x14336x8@2x4096", "sequence from 2 to 2048"), ("4096x14336x8@0x512", "batch must be at least 1"),
+    ("4096x14336x8@2x1", "sequence from 2"), ("4096x14336x8@2048", "is not"), ("4096x14336x8@2x", "is not"),
+    ("4096x14336x8@", "is not"), ("4096x14336x8@2x512x1", "is not")])
+def test_bad_sizes(size, error):
+    with pytest.raises(ValueError, match=error):
+        fsdp_qlora.parse_size(size)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--sizes", "7b"], ["--sizes", "1024x4096x2"], ["--sizes", "4096x14336x8@2x4096"], ["--sizes", "4096x14336x8@2"],
+    ["--sizes", "2048x5632x4,2048x5632x4"], ["--sizes", "2048x5632x4,"], ["--steps", "1"], ["--steps", "2"],
+    ["--plan-steps", "-1"], ["--fsdp", "3"]])
 def test_bad_arguments(argv):
     with pytest.raises(SystemExit):
         fsdp_qlora.parse_args(argv)
@@ -43,6 +73,28 @@ def test_compare_losses():
     assert fsdp_qlora.compare_losses([2.5, 2.25, 2.0], [2.5, 2.5, 2.0]) == (False, 0.25, 1)
     with pytest.raises(ValueError, match="2 against 1 steps"):
         fsdp_qlora.compare_losses([1.0, 2.0], [1.0])
+
+
+def test_loss_chart(tmp_path):
+    """fsdp_losses.png from the two flavours' CSVs, a panel per flavour and size (one flavour ran one
+    size fewer); nothing from a folder without them, nor from a loss file without its run's CSV."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("pandas")
+    assert bench_plots.plot_fsdp(str(tmp_path)) == [] and bench_plots.plot(str(tmp_path)) == []
+    meta = dict(gpu="NVIDIA H100 80GB HBM3", world_size=2, timestamp="2026-11-25T00:00:00+00:00",
+                **bench_results.version_columns(fsdp_qlora.PACKAGES))
+    for flavour, sizes in ((1, ["2048x5632x4", "4096x14336x8@2x2048"]), (2, ["2048x5632x4"])):
+        names = ["bitsandbytes", "nf4-triton", "bitsandbytes (again)"]
+        bench_results.write_csv(tmp_path / f"fsdp{flavour}_losses.csv", [
+            row for index, size in enumerate(sizes) for name in names[:3 if index == 0 else 2]
+            for row in fsdp_qlora.loss_rows(flavour, size, name, [11.0 - step / 8 for step in range(20)])])
+        if flavour == 1:
+            assert bench_plots.plot_fsdp(str(tmp_path)) == []  # a loss file without its run's CSV
+        bench_results.write_csv(tmp_path / f"fsdp{flavour}.csv", [
+            dict(meta, model=size, implementation=name, fsdp=fsdp_qlora.FSDP_FLAVOURS[flavour])
+            for size in sizes for name in names])
+    written = bench_plots.plot(str(tmp_path))
+    assert written == [str(tmp_path / "fsdp_losses.png")] and os.path.getsize(written[0]) > 10_000
 
 
 def test_changed_weights():
@@ -77,11 +129,21 @@ def test_two_gpu_run(flavour, tmp_path):
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     (folder,) = [os.path.join(tmp_path, name) for name in os.listdir(tmp_path)]
-    rows = list(csv.DictReader(open(os.path.join(folder, "fsdp.csv"))))
-    assert {row["implementation"] for row in rows} == {"bitsandbytes", "nf4-triton", "bitsandbytes (again)"}
+    assert sorted(os.listdir(folder)) == [f"fsdp{flavour}.csv", f"fsdp{flavour}_losses.csv"]
+    rows = list(csv.DictReader(open(os.path.join(folder, f"fsdp{flavour}.csv"))))
+    names = ["bitsandbytes", "nf4-triton", "bitsandbytes (again)"]
+    assert [row["implementation"] for row in rows] == names
     assert all(row["frozen_shards_unchanged"] == "True" for row in rows), [
         (row["implementation"], row["frozen_changed_or_added"][:300]) for row in rows]
+    memory = [(row["resident_mib_per_rank"], row["step_peak_mib_per_rank"]) for row in rows]
+    assert all(int(mib) > 0 for resident, peak in memory for mib in resident.split() + peak.split()), memory
     ours = next(row for row in rows if row["implementation"] == "nf4-triton")
     assert ours["stale_results"] == "0 0"
     layers = 4 * 7  # one plan per quant state: the model's Linear4bit layers, at most
     assert all(int(count) <= layers for count in ours["most_live_plans"].split())
+    # The first step of each layer makes its plan, every later call is served (NOTES 56: 0 misses in 53,000).
+    assert ours["timed_plan_misses"] == ours["timed_live_plans"] == f"{layers} {layers}"
+    losses = list(csv.DictReader(open(os.path.join(folder, f"fsdp{flavour}_losses.csv"))))
+    assert [(row["implementation"], row["step"]) for row in losses] == [(name, str(step)) for name in names
+                                                                         for step in range(3)]
+    assert {row["fsdp"] for row in losses} == {rows[0]["fsdp"]}
