@@ -14,7 +14,8 @@ spelled with the tokens per rank and step, real-size ones with Llama-3's vocabul
 
 Side by side: every contender's model is loaded and wrapped first, each from the same LoRA
 initialisation with its own AdamW; then each step runs for every contender in turn, the order turning
-each step. Losses per step and the first step's LoRA gradients are compared with bitsandbytes', and
+each step; bitsandbytes runs twice, so that its own run-to-run spread is measured beside ours.
+Losses per step and the first step's LoRA gradients are compared with bitsandbytes', and
 every rank's frozen shards (the 4-bit weights among them) must be bit-for-bit what they were before
 training. Memory per rank: what the loaded, wrapped model holds and each step's peak above what was
 allocated before it. Then, first size only, the drop-in trains ``--plan-steps`` more steps with every
@@ -274,7 +275,8 @@ class Contender:
 def run_size(size, folder, args, rank, world, first):
     """Every contender at one size, side by side; returns (CSV rows, loss rows), each row naming
     every rank's memory, frozen-shard and plan numbers."""
-    names = list(CONTENDERS) + (["bitsandbytes (again)"] if first else [])
+    # bitsandbytes twice: its own run-to-run spread in bf16 is the yardstick for ours
+    names = list(CONTENDERS) + ["bitsandbytes (again)"]
     contenders = [Contender(name, folder, args.fsdp) for name in names]
     ours = next(contender for contender in contenders if contender.name == "nf4-triton")
     vocab = ours.vocab_size

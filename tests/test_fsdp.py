@@ -86,7 +86,7 @@ def test_loss_chart(tmp_path):
     for flavour, sizes in ((1, ["2048x5632x4", "4096x14336x8@2x2048"]), (2, ["2048x5632x4"])):
         names = ["bitsandbytes", "nf4-triton", "bitsandbytes (again)"]
         bench_results.write_csv(tmp_path / f"fsdp{flavour}_losses.csv", [
-            row for index, size in enumerate(sizes) for name in names[:3 if index == 0 else 2]
+            row for size in sizes for name in names
             for row in fsdp_qlora.loss_rows(flavour, size, name, [11.0 - step / 8 for step in range(20)])])
         if flavour == 1:
             assert bench_plots.plot_fsdp(str(tmp_path)) == []  # a loss file without its run's CSV
