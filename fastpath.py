@@ -23,7 +23,7 @@ Inductor's allocation entry ``torch._C._dynamo.guards._empty_strided_cuda`` (``t
 where it is missing).
 
 Where it ran. On an H100 under Triton 3.3.1, 3.4.0, 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0 with
-torch 2.11 (README, Triton versions); FSDP1 on two H200s.
+torch 2.11 (README, Triton versions); FSDP1 on two H200s, FSDP1 and FSDP2 on two H100s.
 
 How it falls back. A launcher whose call is not one plain forwarding call (scratch buffers made
 per call, an unknown shape) keeps Triton's own launcher; no plan watches an object without

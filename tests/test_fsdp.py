@@ -60,12 +60,21 @@ def test_bad_arguments(argv):
         fsdp_qlora.parse_args(argv)
 
 
-def test_version_columns_as_committed():
-    """fsdp.csv's version columns, in the committed run's order."""
-    with open(os.path.join(ROOT, "results", "nvidia-h200", "fsdp.csv"), newline="") as handle:
+@pytest.mark.parametrize("flavour", [1, 2])
+def test_committed_run_is_complete(flavour):
+    """The committed run of each flavour: its version columns in order, every default size with every
+    contender, and the frozen-weight check filled for each row."""
+    with open(os.path.join(ROOT, "results", "nvidia-h100-80gb-hbm3", f"fsdp{flavour}.csv"), newline="") as handle:
         header = next(csv.reader(handle))
+        handle.seek(0)
+        rows = list(csv.DictReader(handle))
     columns = list(bench_results.version_columns(fsdp_qlora.PACKAGES))
     assert header[3:3 + len(columns)] == columns
+    names = ["bitsandbytes", "nf4-triton", "bitsandbytes (again)"]
+    assert [(row["model"], row["implementation"]) for row in rows] == [
+        (size.name, name) for size in fsdp_qlora.parse_args([]).sizes for name in names]
+    assert {row["fsdp"] for row in rows} == {fsdp_qlora.FSDP_FLAVOURS[flavour]}
+    assert all(row["frozen_shards_unchanged"] in ("True", "False") for row in rows)
 
 
 def test_compare_losses():
