@@ -296,7 +296,7 @@ else:
 decodes its tile of the weight in registers, with the dequantization's arithmetic, and multiplies it
 in, so no 16-bit weight is ever written. Where Gluon runs (Triton 3.6 on, sm_80 on) the fused kernel is
 `mma.py`'s: each weight decoded straight into the register fragment `mma.sync` reads, its code value
-by warp shuffle, with no shared memory; elsewhere `matmul.py`'s `tl` kernel. Below, Llama-3-8B's MLP
+by warp shuffle, and x's tile read once a program into shared memory; elsewhere `matmul.py`'s `tl` kernel. Below, Llama-3-8B's MLP
 up/gate layer (4096 in, 14336 out) in <<dtype>> over M rows of x: the fused kernel against dequantize + `F.linear` (cuBLAS) and
 bitsandbytes' own 4-bit matmul, by the repository's benchmark (`matmulbench.py`: GPU time per call
 from CUDA graphs over enough weight copies to be read from memory, the roofline measured here), and
