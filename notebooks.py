@@ -3,6 +3,7 @@
     python notebooks.py             write both; a code cell whose source is unchanged keeps its outputs
     python notebooks.py --check     exit 1 where a committed notebook differs from what would be written (outputs aside)
     python notebooks.py --execute   write both, then Run all of each in an empty temporary folder, outputs kept (a GPU)
+    python notebooks.py [--execute] NOTEBOOK   only that one (two GPUs: one process each, CUDA_VISIBLE_DEVICES apart)
 
 Each notebook carries the project's modules, pyproject.toml's `py-modules`, as `%%writefile` cells under one
 heading that Colab and JupyterLab show collapsed ("Project files, generated from the repository; do not edit"),
@@ -638,7 +639,11 @@ def main():
     parser.add_argument("--check", action="store_true", help="only say which committed notebooks are out of date")
     parser.add_argument("--execute", action="store_true", help="also Run all of each (a CUDA GPU: the committed outputs)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds one cell may run with --execute")
+    parser.add_argument("names", nargs="*", metavar="NOTEBOOK", help=f"only these of {', '.join(NOTEBOOKS)} (default: both)")
     args = parser.parse_args()
+    unknown = sorted(set(args.names) - set(NOTEBOOKS))
+    if unknown:
+        parser.error(f"no notebook {', '.join(unknown)}; choose from {', '.join(NOTEBOOKS)}")
     if args.check:
         names = stale()
         print("\n".join(f"{name}: differs from what notebooks.py writes" for name in names) or "notebooks up to date")
@@ -649,7 +654,7 @@ def main():
         if not torch.cuda.is_available():
             sys.exit("--execute records the committed outputs, which come from a GPU run: no CUDA GPU here")
     sources = module_sources(project_modules())
-    for name in NOTEBOOKS:
+    for name in args.names or NOTEBOOKS:
         notebook = build(name, sources)
         old = read(name)
         if args.execute:
