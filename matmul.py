@@ -11,8 +11,8 @@ Two shapes of program, both over bitsandbytes' layout as it is (no repack):
 - FMA: one row of ``x`` per program, each decoded weight multiplied into fp32 accumulators that
   are reduced along K at the end.
 - MMA (``mma.py``, Gluon): the weight decoded straight into ``mma.sync``'s register fragments, the
-  code values by warp shuffle: no shared memory. The fastest wherever Gluon runs (Triton 3.6 on,
-  sm_80 on, fp16 and bf16); the two ``tl`` shapes serve the rest.
+  code values by warp shuffle, only x's tile through shared memory. The fastest wherever Gluon runs
+  (Triton 3.6 on, sm_80 on, fp16 and bf16) from 1 to 64 rows; the two ``tl`` shapes serve the rest.
 Where N alone does not fill the GPU, ``SPLIT_K`` programs share a row of outputs: each writes its
 fp32 partial sums and a second small kernel adds them in a fixed order (deterministic), adds the
 bias and casts.
@@ -362,7 +362,8 @@ MATMUL_ROUTES = {
         Route(64, "fused", _MMA_TILE(block_m=64, block_n=128, block_k=64), min_weight=16 * _M),
         Route(64, "fused", _MMA_TILE(block_m=64, block_k=64)),
         # 128 rows: the tl kernel's wgmma tiles on the large layers (71.6 us at 4096x14336 against mma.py's
-        # 89.8); dequantize + cuBLAS beyond, and below 56M weights (27.8 against 27.7 at 4096x4096)
+        # 89.8; at 14336x4096 mma.py's 78.5 against the tl route's 97.2 come from two runs, not compared in
+        # one); dequantize + cuBLAS beyond, and below 56M weights (27.8 against 27.7 at 4096x4096)
         *(route for route in TL_ROUTES[(9, 0)] if route.max_rows == 128),
     ),
 }

@@ -3,10 +3,10 @@
 
 Inside each 64 columns of K the order of the sum is permuted, the same way for the weight and
 for x, so that the 16 codes a thread's A fragments hold are 8 contiguous bytes of one weight
-row: one 8-byte load, no shared memory and no exchange between threads (the layouts' conversion
-is asserted trivial at compile time). x's tile, which every warp needs whole, is read once a
-program into shared memory, coalesced, and read back in the fragments' order. Thread ``t`` of a
-row quad holds physical columns ``16 t .. 16 t + 15`` of a 64-column chunk; column
+row: one 8-byte load, no shared memory for the weight and no exchange between threads (the
+layouts' conversion is asserted trivial at compile time). x's tile, which every warp needs whole,
+is read once a program into shared memory, coalesced, and read back in the fragments' order.
+Thread ``t`` of a row quad holds physical columns ``16 t .. 16 t + 15`` of a 64-column chunk; column
 ``16 t + 4 s + 2 p + q`` sits in k-step ``s`` at logical column ``16 s + 8 p + 2 t + q``, which is
 where mma.sync expects A[g][2t + q] (p = 0) and A[g][2t + 8 + q] (p = 1), and B likewise.
 

@@ -3,7 +3,8 @@
     python notebooks.py             write both; a code cell whose source is unchanged keeps its outputs
     python notebooks.py --check     exit 1 where a committed notebook differs from what would be written (outputs aside)
     python notebooks.py --execute   write both, then Run all of each in an empty temporary folder, outputs kept (a GPU)
-    python notebooks.py [--execute] NOTEBOOK   only that one (two GPUs: one process each, CUDA_VISIBLE_DEVICES apart)
+    python notebooks.py [--check|--execute] NOTEBOOK   only that one (two GPUs: one process each, CUDA_VISIBLE_DEVICES
+                                    apart; both write the same module files, byte for byte, to one folder)
 
 Each notebook carries the project's modules, pyproject.toml's `py-modules`, as `%%writefile` cells under one
 heading that Colab and JupyterLab show collapsed ("Project files, generated from the repository; do not edit"),
@@ -627,10 +628,10 @@ def write(name, notebook):
     nbformat.write(notebook, os.path.join(ROOT, name))
 
 
-def stale():
-    """The committed notebooks that differ from what the generator writes, outputs aside."""
+def stale(names=NOTEBOOKS):
+    """Those of the committed notebooks ``names`` that differ from what the generator writes, outputs aside."""
     sources = module_sources(project_modules())
-    return [name for name in NOTEBOOKS
+    return [name for name in names
             if read(name) is None or without_outputs(read(name)) != without_outputs(build(name, sources))]
 
 
@@ -645,7 +646,7 @@ def main():
     if unknown:
         parser.error(f"no notebook {', '.join(unknown)}; choose from {', '.join(NOTEBOOKS)}")
     if args.check:
-        names = stale()
+        names = stale(args.names or NOTEBOOKS)
         print("\n".join(f"{name}: differs from what notebooks.py writes" for name in names) or "notebooks up to date")
         sys.exit(1 if names else 0)
     if args.execute:

@@ -74,7 +74,11 @@ def test_committed_run_is_complete(flavour):
     assert [(row["model"], row["implementation"]) for row in rows] == [
         (size.name, name) for size in fsdp_qlora.parse_args([]).sizes for name in names]
     assert {row["fsdp"] for row in rows} == {fsdp_qlora.FSDP_FLAVOURS[flavour]}
-    assert all(row["frozen_shards_unchanged"] in ("True", "False") for row in rows)
+    # What the README states of the run: every frozen weight unchanged, every checked call served and equal
+    assert all(row["frozen_shards_unchanged"] == "True" and not row["frozen_changed_or_added"] for row in rows)
+    (checked,) = [row for row in rows if row["plan_calls"]]
+    assert checked["implementation"] == "nf4-triton" and checked["model"] == rows[0]["model"]
+    assert checked["plan_misses"] == checked["stale_results"] == "0 0"
 
 
 def test_compare_losses():
