@@ -106,7 +106,8 @@ def test_serving_headline_is_the_results():
     assert all(found[kind, "4x1024", ours]["loss_equal_bitsandbytes"] == "True"
                for kind in ("qlora-step", "qlora-step-checkpointed"))
     real = "4096x14336x8@2x2048"
-    assert first[4][0] == "FSDP QLoRA step on two H100s, 2x2048 tokens a rank, FSDP2 / FSDP1"
+    assert first[4][0] == ("FSDP QLoRA step on two H100s, the same 8 layers, 2x2048 tokens a rank, 20 interleaved steps "
+                           "(not graphs), FSDP2 / FSDP1")
     assert decimals(fsdp) == [f"{fsdp_speedups(flavour)[real, 'bitsandbytes']:.2f}" for flavour in (2, 1)]
     # "within bitsandbytes' own run-to-run spread": the drop-in's losses no further from bitsandbytes' first run
     for flavour in (1, 2):
