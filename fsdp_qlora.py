@@ -43,8 +43,6 @@ import modelbench
 
 CONTENDERS = ("bitsandbytes", "nf4-triton")
 TOKENS = (4, 512)  # per rank and step, for modelbench's models
-# Llama-3's, as servebench.VOCAB; not imported from there: servebench.py is none of the package's py-modules.
-LLAMA3_VOCAB = 128256
 WARMUP_STEPS = 2  # left out of the step-time medians: the first step makes the drop-in's plans and AdamW's state
 SIZES = "2048x5632x4,4096x14336x2,4096x14336x8@2x2048"
 SIZE_SPELLING = re.compile(r"(\d+x\d+)x(\d+)(?:@(\d+)x(\d+))?")
@@ -86,7 +84,7 @@ def parse_size(name):
     if int(batch) < 1 or not 2 <= int(sequence) <= longest:  # a next-token loss needs two positions
         raise ValueError(f"size {name!r}: the batch must be at least 1 and the sequence from 2 to {longest} "
                          "(the model's max_position_embeddings)")
-    return Size(name, shape, int(layers), (int(batch), int(sequence)), LLAMA3_VOCAB)
+    return Size(name, shape, int(layers), (int(batch), int(sequence)), modelbench.LLAMA3_VOCAB)
 
 
 def parse_args(argv=None):
@@ -96,7 +94,7 @@ def parse_args(argv=None):
         "comma-separated HIDDENxINTERMEDIATExLAYERS[@BATCHxSEQUENCE]: HIDDENxINTERMEDIATE picks the shape of "
         f"modelbench.SIZES ({', '.join(modelbench.SIZES)}) whose name starts with it, LAYERS its decoder layers. "
         f"Without @: modelbench's model, vocabulary {config.vocab_size}, {TOKENS[0]}x{TOKENS[1]} tokens per rank "
-        f"and step. With @BATCHxSEQUENCE: a real-size model, Llama-3's vocabulary ({LLAMA3_VOCAB}, as "
+        f"and step. With @BATCHxSEQUENCE: a real-size model, Llama-3's vocabulary ({modelbench.LLAMA3_VOCAB}, as "
         "servebench.py loads it), BATCHxSEQUENCE tokens per rank and step, SEQUENCE at most "
         f"{config.max_position_embeddings} (the model's max_position_embeddings). Default: %(default)s"))
     parser.add_argument("--steps", type=int, default=20,

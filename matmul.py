@@ -466,10 +466,7 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
                    USE_INT64=n * k > 2**31 - 1, num_warps=config.num_warps)
     if config.mma:
         kernel_fn = mma.nf4_mma_kernel
-        w_layout, x_layout, mma_layout = mma.layouts(config.num_warps, config.block_n, config.block_k, config.block_m)
-        x_global, x_shared, x_fragments = mma.x_staging(config.num_warps, config.block_k, config.block_m)
-        options.update(W_LAYOUT=w_layout, X_LAYOUT=x_layout, MMA=mma_layout, X_GLOBAL=x_global, X_SHARED=x_shared,
-                       X_FRAGMENTS=x_fragments)
+        options.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m))
     else:
         kernel_fn = nf4_matmul_kernel
         options.update(DOT=config.dot, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int, LOOKUP=code_lookup,

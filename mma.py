@@ -33,7 +33,7 @@ try:
 except ImportError:  # Triton before 3.6
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "layouts", "x_staging", "nf4_mma_kernel"]
+__all__ = ["AVAILABLE", "layouts", "x_staging", "layout_constexprs", "nf4_mma_kernel"]
 
 
 def _bases(dim, rank, count, first=1):
@@ -87,6 +87,12 @@ def x_staging(num_warps, block_k, block_m):
         block_bases=[],
         shape=[block_m, block_k])
     return coalesced, shared, fragments
+
+
+def layout_constexprs(num_warps, block_n, block_k, block_m):
+    """The kernel's layout arguments for one tile: ``layouts`` and ``x_staging`` by their names."""
+    return dict(zip(("W_LAYOUT", "X_LAYOUT", "MMA", "X_GLOBAL", "X_SHARED", "X_FRAGMENTS"),
+                    layouts(num_warps, block_n, block_k, block_m) + x_staging(num_warps, block_k, block_m)))
 
 
 if AVAILABLE:

@@ -37,7 +37,6 @@ import modelbench
 import quantstate
 
 SIZE = "4096x14336x2"  # modelbench.SIZES: Llama-3-8B's hidden, intermediate and attention sizes
-VOCAB = 128256  # Llama-3's
 LAYERS = 8
 PROMPT = 128
 NEW_TOKENS = 128
@@ -440,7 +439,7 @@ def run(dtype_name, layers, rounds, model_folder, meta, log=print, with_unsloth=
     if unsloth is None:
         log(f"unsloth: skipped ({why})")
     if not os.path.exists(os.path.join(model_folder, "config.json")):
-        modelbench.save_random_llama(SIZE, model_folder, vocab_size=VOCAB, layers=layers)
+        modelbench.save_random_llama(SIZE, model_folder, vocab_size=modelbench.LLAMA3_VOCAB, layers=layers)
     model = modelbench.load_4bit(model_folder, dtype)
     model.eval()
     router = Router(model, unsloth)

@@ -54,9 +54,7 @@ def compile_variant(capability, x_dtype, config):
         from triton.experimental.gluon._runtime import GluonASTSource
 
         fn, make_source = mma.nf4_mma_kernel, GluonASTSource
-        layouts = (mma.layouts(config.num_warps, config.block_n, config.block_k, config.block_m)
-                   + mma.x_staging(config.num_warps, config.block_k, config.block_m))
-        constexprs.update(zip(("W_LAYOUT", "X_LAYOUT", "MMA", "X_GLOBAL", "X_SHARED", "X_FRAGMENTS"), layouts))
+        constexprs.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m))
     else:
         fn, make_source = matmul.nf4_matmul_kernel, triton.compiler.ASTSource
         constexprs.update(DOT=config.dot, USE_ASM=True, BF16_VIA_INT=capability < (8, 0), EVEN=True,
