@@ -285,6 +285,7 @@ class MatmulConfig(typing.NamedTuple):
     num_stages: int = 2
     lookup: int = 2  # 0 global codebook, 1 per-block product tables, 2 byte pairs (1, 2: shared memory, Triton >= 3.4)
     mma: bool = False  # mma.py's Gluon kernel (dot, num_stages and lookup unused; block_m a multiple of 8)
+    words: int = 2  # mma.py: words of a weight row a thread loads at once, 2 or 4 (block_k a multiple of 32 words)
 
 
 class Route(typing.NamedTuple):
@@ -333,21 +334,25 @@ TL_DEFAULT_ROUTES = (Route(16, "fused", C(16, 32, 256, 4, True, 4, 2, 1)),)
 TL_ROUTES.update({capability: TL_DEFAULT_ROUTES for capability in ((7, 5), (8, 0), (8, 6), (8, 9))})
 # Where mma.py's kernel runs. sm_90: the fastest path at each point of the H100 sweeps in bf16 (Triton
 # 3.6.0, CUDA-graph GPU time per call), us for bitsandbytes / dequantize + cuBLAS / the tl kernel's
-# route (NOTES.md item 77) / mma.py's with x staged in shared memory (item 78, one round):
+# route (NOTES.md item 77) / mma.py's with x staged in shared memory (items 78, 80; one round each):
 _MMA_TILE = C(8, 64, 256, 8, True, 4, mma=True)._replace  # the 8-row tile, varied below
 MATMUL_ROUTES = {
     (9, 0): (
-        # one row: 29.4 / 100.7 / - / 25.9 at 4096x14336, 30.0 / 100.3 / - / 25.7 at 14336x4096; below 56M
-        # weights its GEMV: 10.6 / 25.9 / - / 11.5 at 4096x4096, 6.7 / 11.3 / - / 7.7 at 4096x1024
-        Route(1, "fused", _MMA_TILE(), min_weight=56 * _M),
+        # 4 words a thread (16-byte loads, 64 registers against 79): 1 and 8 rows of 4096x14336 29.5 / 67.0 against
+        # 23.3 / 23.9 at split 4 (2 words at split 8: 24.8 / 26.1)
+        Route(8, "fused", _MMA_TILE(split_k=4, words=4), min_weight=56 * _M, min_out=14336),
+        # one row: 30.0 / 100.2 / - / 25.7 at 14336x4096 (2 words 27.0); below 56M weights its GEMV: 10.8 /
+        # 26.0 / - / 10.8 at 4096x4096, 7.1 / 11.4 / - / 7.6 at 4096x1024
+        Route(1, "fused", _MMA_TILE(words=4), min_weight=56 * _M),
         Route(1, "bitsandbytes"),
-        # 66.4 / 100.2 / 49.5 / 26.8 at 4096x14336, M=8; 124.6 / 100.1 / 47.8 / 27.3 at 14336x4096; 37.0 / 25.0 /
-        # 17.8 / 11.8 at 4096x4096; 17.6 / 11.3 / 10.5 / 8.0 at 4096x1024
-        Route(8, "fused", _MMA_TILE()),
-        # 67.4 / - / - / 30.2 at 4096x14336, M=16 (split 8: 32.6); 124.6 / - / - / 30.2 at 14336x4096; 37.3 /
-        # - / - / 12.7 at 4096x4096; 17.7 / - / - / 8.6 at 4096x1024
-        Route(16, "fused", _MMA_TILE(block_m=16, split_k=4), min_weight=56 * _M, min_out=14336),
-        Route(16, "fused", _MMA_TILE(block_m=16)),
+        # 8 rows: 124.4 / 100.2 / 47.8 / 26.5 at 14336x4096 (2 words 26.3); 37.3 / 25.2 / 17.8 / 11.1 at 4096x4096
+        # (11.0); 17.5 / 11.3 / 10.5 / 7.8 at 4096x1024 (7.9)
+        Route(8, "fused", _MMA_TILE(words=4)),
+        # 16 rows: 67.8 / 100.4 / 49.5 / 29.7 at 4096x14336 (2 words 30.6); 124.6 / 100.3 / - / 29.0 at 14336x4096
+        # (4 words 31.4); 37.5 / 26.1 / - / 12.0 at 4096x4096 (12.1); 17.4 / 11.4 / - / 7.7 at 4096x1024 (8.4)
+        Route(16, "fused", _MMA_TILE(block_m=16, split_k=4, words=4), min_weight=56 * _M, min_out=14336),
+        Route(16, "fused", _MMA_TILE(block_m=16), min_weight=56 * _M),
+        Route(16, "fused", _MMA_TILE(block_m=16, words=4)),
         # 69.4 / 98.8 / - / 36.2 at 4096x14336, M=32; 125.2 / 100.3 / - / 34.7 at 14336x4096; 35.9 / 24.8 / - /
         # 15.0 at 4096x4096; 18.0 / 11.6 / - / 10.0 at 4096x1024
         Route(32, "fused", _MMA_TILE(block_m=32, split_k=4), min_weight=56 * _M, min_out=14336),
@@ -361,10 +366,13 @@ MATMUL_ROUTES = {
         Route(64, "fused", _MMA_TILE(block_m=64, block_k=128, split_k=4), min_weight=56 * _M),
         Route(64, "fused", _MMA_TILE(block_m=64, block_n=128, block_k=64), min_weight=16 * _M),
         Route(64, "fused", _MMA_TILE(block_m=64, block_k=64)),
-        # 128 rows: the tl kernel's wgmma tiles on the large layers (71.6 us at 4096x14336 against mma.py's
-        # 89.8; at 14336x4096 mma.py's 78.5 against the tl route's 97.2 come from two runs, not compared in
-        # one); dequantize + cuBLAS beyond, and below 56M weights (27.8 against 27.7 at 4096x4096)
-        *(route for route in TL_ROUTES[(9, 0)] if route.max_rows == 128),
+        # 128 rows (item 80, one round): 124.5 / 100.2 / 66.2 / 75.6 at 4096x14336 (the tl kernel's wgmma tile
+        # first), 130.5 / 106.6 / 92.8 / 81.5 at 14336x4096; at 28672x8192 the tl tile's 238.1 (item 70's table)
+        # against mma.py's 302.6; dequantize + cuBLAS beyond, and below 56M weights (28.0 / 27.1 / 27.1 at
+        # 4096x4096, 13.0 / 26.6 / 19.3 at 4096x1024)
+        Route(128, "fused", C(128, 64, 128, 1, True, 4, 3, 2), min_weight=56 * _M, min_out=14336),
+        Route(128, "fused", C(128, 64, 128, 2, True, 4, 3, 2), min_weight=128 * _M),
+        Route(128, "fused", _MMA_TILE(block_m=128, block_k=128, split_k=4), min_weight=56 * _M),
     ),
 }
 # Reasoned, not measured (no A100 or L4 has run it): mma.py's 16-row tile up to 16 rows, where it
@@ -466,7 +474,8 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
                    USE_INT64=n * k > 2**31 - 1, num_warps=config.num_warps)
     if config.mma:
         kernel_fn = mma.nf4_mma_kernel
-        options.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m))
+        options.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m,
+                                             config.words))
     else:
         kernel_fn = nf4_matmul_kernel
         options.update(DOT=config.dot, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int, LOOKUP=code_lookup,
@@ -488,8 +497,9 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
 
 def mma_supported(x2d, k, blocksize, config):
     """Whether mma.py's kernel runs this call: on x's GPU (``mma_runs_on``), fp16 or bf16 x, K whole
-    tiles, quads of 16 columns within one block."""
-    return (x2d.dtype is not torch.float32 and k % config.block_k == 0 and blocksize >= 16
+    tiles, each thread's columns of a chunk within one block."""
+    return (x2d.dtype is not torch.float32 and k % config.block_k == 0
+            and blocksize >= 8 * config.words
             and mma_runs_on(device_facts(x2d.device)[0]))
 
 

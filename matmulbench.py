@@ -97,21 +97,24 @@ def fused_call(layer, x, config, out):
 
 C = matmul.MatmulConfig
 # Candidates per row count (the last tl field: the code lookup, matmul.py's LOOKUP), from wider sweeps at
-# 4096x14336 and 14336x4096 (NOTES.md, items 70 and 77); mma.py's tiles as (num_warps, block_n,
-# block_k, split_k) per block_m.
+# 4096x14336 and 14336x4096 (NOTES.md, items 70, 77 and 80); mma.py's tiles as (num_warps, block_n,
+# block_k, split_k[, words]) per block_m.
 MMA_TILES = {
     8: [(4, 64, 256, 4), (4, 64, 64, 4), (4, 64, 256, 8), (8, 128, 64, 16), (4, 128, 256, 8), (4, 64, 128, 8),
-        (4, 128, 64, 16), (8, 128, 256, 4)],
+        (4, 128, 64, 16), (8, 128, 256, 4), (4, 64, 256, 4, 4), (4, 64, 256, 8, 4), (4, 128, 256, 8, 4),
+        (4, 64, 128, 8, 4), (4, 128, 128, 8, 4), (8, 128, 256, 4, 4)],
     32: [(4, 64, 128, 4), (4, 128, 128, 4), (4, 64, 256, 4), (4, 128, 128, 8), (8, 128, 64, 8), (4, 64, 64, 8),
          (4, 128, 256, 2), (4, 128, 64, 16)],
     64: [(4, 128, 128, 2), (4, 128, 64, 2), (4, 64, 128, 4), (4, 128, 128, 4), (8, 128, 64, 4), (4, 128, 64, 8),
          (4, 64, 64, 8), (8, 256, 64, 4)],
-    128: [(4, 64, 64, 4), (4, 128, 64, 2), (4, 128, 64, 1), (8, 128, 64, 2), (4, 64, 64, 2)],
+    128: [(4, 64, 64, 4), (4, 128, 64, 2), (4, 128, 64, 1), (8, 128, 64, 2), (4, 64, 64, 2), (4, 64, 128, 4),
+          (4, 64, 128, 4, 4), (4, 128, 128, 2, 4), (8, 128, 128, 2, 4)],
 }
 
 
 def _mma(block_m, tiles):
-    return [C(block_m, bn, bk, sk, True, warps, mma=True) for warps, bn, bk, sk in tiles]
+    return [C(block_m, bn, bk, sk, True, warps, mma=True, words=words) for warps, bn, bk, sk, words in
+            (tile + (2,) * (5 - len(tile)) for tile in tiles)]
 
 
 CANDIDATES = {
@@ -250,7 +253,7 @@ def run(dtypes, rounds, rooflines, meta, log=print, layers=LAYERS, rows=ROWS):
     return table
 
 
-README_ROWS = (1, 4, 16, 64, 128, 256)
+README_ROWS = (1, 8, 16, 32, 64, 128, 256)
 BEFORE = ("bitsandbytes", "dequantize + F.linear")  # the paths a 4-bit layer had without the fused kernel
 SHOWN = BEFORE + ("fused kernel",)  # the notebooks' contenders
 

@@ -1,14 +1,15 @@
 """The fused NF4 matmul in Gluon: each weight decoded straight into the register fragment that
 ``mma.sync.m16n8k16`` reads, from bitsandbytes' bytes as they are.
 
-Inside each 64 columns of K the order of the sum is permuted, the same way for the weight and
-for x, so that the 16 codes a thread's A fragments hold are 8 contiguous bytes of one weight
-row: one 8-byte load, no shared memory for the weight and no exchange between threads (the
-layouts' conversion is asserted trivial at compile time). x's tile, which every warp needs whole,
-is read once a program into shared memory, coalesced, and read back in the fragments' order.
-Thread ``t`` of a row quad holds physical columns ``16 t .. 16 t + 15`` of a 64-column chunk; column
-``16 t + 4 s + 2 p + q`` sits in k-step ``s`` at logical column ``16 s + 8 p + 2 t + q``, which is
-where mma.sync expects A[g][2t + q] (p = 0) and A[g][2t + 8 + q] (p = 1), and B likewise.
+Inside each chunk of K (32 W columns, W = 2 or 4 words a thread) the order of the sum is
+permuted, the same way for the weight and for x, so that the codes a thread's A fragments hold
+are W contiguous words of one weight row: one load of 4 W bytes and one scale a row and chunk, no
+shared memory for the weight and no exchange between threads (the layouts' conversion is
+asserted trivial at compile time). x's tile, which every warp needs whole, is read once a program
+into shared memory, coalesced, and read back in the fragments' order. Thread ``t`` of a row quad
+holds physical columns ``8 W t .. 8 W t + 8 W - 1`` of a chunk; column ``8 W t + 4 s + 2 p + q``
+sits in k-step ``s`` at logical column ``16 s + 8 p + 2 t + q``, which is where mma.sync expects
+A[g][2t + q] (p = 0) and A[g][2t + 8 + q] (p = 1), and B likewise.
 
 A code's value comes from a warp shuffle: lane ``l`` holds ``codebook[l % 16]``, and
 ``shfl.sync.idx`` reads only the low 5 bits of its index, so a word shifted right by ``4 j`` is
@@ -17,8 +18,8 @@ the index of its nibble ``j`` without a mask. Then kernel.py's arithmetic: the f
 weight is bit for bit ``dequantize_nf4``'s; only the order of the fp32 sums differs.
 
 Needs Gluon's ``mma_v2`` and linear layouts (Triton 3.6 on), sm_80 on, fp16 or bf16 x, K a
-multiple of the tile's columns and blocks of at least 16 columns; ``matmul.py`` routes the rest
-to its ``tl`` kernel.
+multiple of the tile's columns and blocks of at least a thread's 8 W columns; ``matmul.py``
+routes the rest to its ``tl`` kernel.
 """
 
 import functools
@@ -47,52 +48,55 @@ def _log2(value):
 
 
 @functools.lru_cache(maxsize=None)
-def layouts(num_warps, block_n, block_k, block_m):
+def layouts(num_warps, block_n, block_k, block_m, words):
     """(weight layout, x layout, mma layout) of a tile. The weight's codes are indexed
-    [BLOCK_N, chunk, t, word, code]: 8 codes of a word, 2 words, 4 threads of a quad, BLOCK_K / 64
-    chunks; x the same with rows of x for rows of the weight."""
+    [BLOCK_N, chunk, t, word, code]: 8 codes of a word, ``words`` words (2 or 4), 4 threads of a
+    quad, BLOCK_K / (32 words) chunks; x the same with rows of x for rows of the weight."""
     reps = block_n // (16 * num_warps)
-    chunks = block_k // 64
+    chunks = block_k // (32 * words)
     weight = gl.DistributedLinearLayout(
-        reg_bases=_bases(4, 5, 3) + _bases(3, 5, 1) + _bases(0, 5, 1, 8) + _bases(1, 5, _log2(chunks))
+        reg_bases=_bases(4, 5, 3) + _bases(3, 5, _log2(words)) + _bases(0, 5, 1, 8) + _bases(1, 5, _log2(chunks))
         + _bases(0, 5, _log2(reps), 16 * num_warps),
         lane_bases=_bases(2, 5, 2) + _bases(0, 5, 3),
         warp_bases=_bases(0, 5, _log2(num_warps), 16),
         block_bases=[],
-        shape=[block_n, chunks, 4, 2, 8])
+        shape=[block_n, chunks, 4, words, 8])
     x = gl.DistributedLinearLayout(
-        reg_bases=_bases(4, 5, 3) + _bases(3, 5, 1) + _bases(1, 5, _log2(chunks)) + _bases(0, 5, _log2(block_m // 8), 8),
+        reg_bases=_bases(4, 5, 3) + _bases(3, 5, _log2(words)) + _bases(1, 5, _log2(chunks))
+        + _bases(0, 5, _log2(block_m // 8), 8),
         lane_bases=_bases(2, 5, 2) + _bases(0, 5, 3),
         warp_bases=[[0] * 5] * _log2(num_warps),  # every warp holds all of x's tile
         block_bases=[],
-        shape=[block_m, chunks, 4, 2, 8])
+        shape=[block_m, chunks, 4, words, 8])
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
     return weight, x, mma
 
 
 @functools.lru_cache(maxsize=None)
-def x_staging(num_warps, block_k, block_m):
+def x_staging(num_warps, block_k, block_m, words):
     """(global layout, shared layout, read layout) of x's tile [BLOCK_M, BLOCK_K] on its way through
     shared memory: read from global in 16-byte vectors with lanes along K; 16-byte vectors swizzled by
-    row so that a quad's reads of 8 rows take 4 wavefronts; read back as ``layouts(...)[1]`` over
-    [BLOCK_M, BLOCK_K]."""
+    row so that a warp's reads (a quad's 4 threads, 8 rows) take 4 wavefronts; read back as
+    ``layouts(...)[1]`` over [BLOCK_M, BLOCK_K]."""
     lanes_k = min(32, block_k // 8)
     coalesced = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // lanes_k, lanes_k],
                                  warps_per_cta=[num_warps, 1], order=[1, 0])
     shared = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
     fragments = gl.DistributedLinearLayout(
-        reg_bases=_bases(1, 2, 4) + _bases(1, 2, _log2(block_k // 64), 64) + _bases(0, 2, _log2(block_m // 8), 8),
-        lane_bases=_bases(1, 2, 2, 16) + _bases(0, 2, 3),
+        reg_bases=_bases(1, 2, 3 + _log2(words)) + _bases(1, 2, _log2(block_k // (32 * words)), 32 * words)
+        + _bases(0, 2, _log2(block_m // 8), 8),
+        lane_bases=_bases(1, 2, 2, 8 * words) + _bases(0, 2, 3),
         warp_bases=[[0, 0]] * _log2(num_warps),  # every warp reads all of x's tile
         block_bases=[],
         shape=[block_m, block_k])
     return coalesced, shared, fragments
 
 
-def layout_constexprs(num_warps, block_n, block_k, block_m):
-    """The kernel's layout arguments for one tile: ``layouts`` and ``x_staging`` by their names."""
-    return dict(zip(("W_LAYOUT", "X_LAYOUT", "MMA", "X_GLOBAL", "X_SHARED", "X_FRAGMENTS"),
-                    layouts(num_warps, block_n, block_k, block_m) + x_staging(num_warps, block_k, block_m)))
+def layout_constexprs(num_warps, block_n, block_k, block_m, words):
+    """The kernel's layout arguments for one tile: WORDS, ``layouts`` and ``x_staging`` by their names."""
+    return dict(zip(("WORDS", "W_LAYOUT", "X_LAYOUT", "MMA", "X_GLOBAL", "X_SHARED", "X_FRAGMENTS"),
+                    (words,) + layouts(num_warps, block_n, block_k, block_m, words)
+                    + x_staging(num_warps, block_k, block_m, words)))
 
 
 if AVAILABLE:
@@ -116,9 +120,9 @@ if AVAILABLE:
             return gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(v, 0), 1), 2), 3)
 
     @gluon.jit
-    def _mma_order(values, ROWS: gl.constexpr, BLOCK_K: gl.constexpr):
+    def _mma_order(values, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, WORDS: gl.constexpr):
         """[ROWS, chunk, t, word, code] in column order -> [ROWS, BLOCK_K] in the mma's K order."""
-        values = gl.reshape(values, [ROWS, BLOCK_K // 64, 4, 2, 2, 2, 2])  # row, chunk, t, word, s % 2, p, q
+        values = gl.reshape(values, [ROWS, BLOCK_K // (32 * WORDS), 4, WORDS, 2, 2, 2])  # row, chunk, t, word, s % 2, p, q
         values = gl.permute(values, [0, 1, 3, 4, 5, 2, 6])  # row, chunk, s // 2, s % 2, p, t, q
         return gl.reshape(values, [ROWS, BLOCK_K])
 
@@ -149,11 +153,12 @@ if AVAILABLE:
         # implementation
         BLOCK_M: gl.constexpr,  # rows of x per program (a multiple of 8)
         BLOCK_N: gl.constexpr,  # weight rows per program (16 * num_warps * repeats)
-        BLOCK_K: gl.constexpr,  # columns per step (a multiple of 64)
+        BLOCK_K: gl.constexpr,  # columns per step (a multiple of 32 * WORDS)
         SPLIT_K: gl.constexpr,  # programs sharing one output tile along K (fp32 partials when > 1)
         STEPS_PER_SPLIT: gl.constexpr,  # BLOCK_K steps per program
         HAS_BIAS: gl.constexpr,  # add bias (SPLIT_K == 1 only; the reduction adds it otherwise)
         USE_INT64: gl.constexpr,  # 64-bit offsets into the weight
+        WORDS: gl.constexpr,  # words of a row each thread holds a chunk: 2 (64-column chunks) or 4 (128)
         W_LAYOUT: gl.constexpr,  # layouts(...)[0]
         X_LAYOUT: gl.constexpr,  # layouts(...)[1]
         MMA: gl.constexpr,  # layouts(...)[2]
@@ -161,23 +166,27 @@ if AVAILABLE:
         X_SHARED: gl.constexpr,  # x_staging(...)[1]
         X_FRAGMENTS: gl.constexpr,  # x_staging(...)[2]
     ):
-        CHUNKS: gl.constexpr = BLOCK_K // 64
+        CHUNKS: gl.constexpr = BLOCK_K // (32 * WORDS)
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         pid_k = gl.program_id(2)
         first = pid_k * STEPS_PER_SPLIT
 
-        # The weight's indices, [BLOCK_N, CHUNKS, 4, 2, 8] once broadcast. Rows past N read row
+        # The weight's indices, [BLOCK_N, CHUNKS, 4, WORDS, 8] once broadcast. Rows past N read row
         # N - 1 (no masks in the loop); their sums are not stored.
         row = gl.minimum(pid_n * BLOCK_N + _along(BLOCK_N, 0, W_LAYOUT), N - 1)
         if USE_INT64:
             row = row.to(gl.int64)
         chunk = _along(CHUNKS, 1, W_LAYOUT)
         quad = _along(4, 2, W_LAYOUT)
-        word_ptrs = packed_ptr.to(gl.pointer_type(gl.int32)) + row * (K // 8) + chunk * 8 + quad * 2 + _along(2, 3, W_LAYOUT)
+        # (K // (8 WORDS)) * WORDS: the compiler sees that a row's words start WORDS-aligned (16-byte loads)
+        word_ptrs = (packed_ptr.to(gl.pointer_type(gl.int32)) + row * (K // (8 * WORDS)) * WORDS
+                     + chunk * (4 * WORDS) + quad * WORDS + _along(WORDS, 3, W_LAYOUT))
         element = _along(8, 4, W_LAYOUT)
         shifts = 8 * (element // 2) + 4 * (1 - element % 2)  # element 2j is byte j's high nibble
-        block = row * (K // BLOCKSIZE) + (chunk * 64 + quad * 16) // BLOCKSIZE  # a quad's 16 columns share one
+        # a thread's 8 WORDS columns of a chunk lie in one block (BLOCKSIZE >= 32 where WORDS is 4)
+        row_block = row * (K // BLOCKSIZE)
+        block = row_block + (chunk * (32 * WORDS) + quad * (8 * WORDS)) // BLOCKSIZE
 
         # lane l holds codebook[l % 16]: one register, the shuffle's table
         lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [gl.full([1, 1, 1, 1, 1], 0, gl.int32, W_LAYOUT)],
@@ -201,10 +210,14 @@ if AVAILABLE:
             words = gl.load(word_ptrs + k0 // 8)
             step_block = block + k0 // BLOCKSIZE
             if NESTED:  # kernel.py's absmax decode: code2[absmax] * absmax2 (ftz), + offset
+                if BLOCK_K <= BLOCKSIZE * BLOCKSIZE2:  # a row's blocks of a step share one absmax2
+                    step_absmax2 = (row_block + k0 // BLOCKSIZE) // BLOCKSIZE2
+                else:
+                    step_absmax2 = step_block // BLOCKSIZE2
                 absmax_code = gl.load(code2_ptr + gl.load(absmax_ptr + step_block).to(gl.int32))
                 scale = gl.inline_asm_elementwise(
                     "{.reg .f32 t; mul.rn.ftz.f32 t, $1, $2; add.rn.f32 $0, t, $3;}", "=r,r,r,r",
-                    [absmax_code, gl.load(absmax2_ptr + step_block // BLOCKSIZE2), offset], dtype=gl.float32,
+                    [absmax_code, gl.load(absmax2_ptr + step_absmax2), offset], dtype=gl.float32,
                     is_pure=True, pack=1)
             else:
                 scale = gl.load(absmax_ptr + step_block)
@@ -219,15 +232,15 @@ if AVAILABLE:
                     "{.reg .b32 a, b; shfl.sync.idx.b32 a, $3, $1, 0x1f, -1; shfl.sync.idx.b32 b, $4, $2, 0x1f, -1;"
                     " mul.rn.ftz.f32 a, a, $5; mul.rn.ftz.f32 b, b, $6; cvt.rn.f16x2.f32 $0, b, a;}",
                     "=r,r,r,r,r,r,r", [codes, entry, scale], dtype=gl.float16, is_pure=True, pack=2)
-            a = gl.convert_layout(_mma_order(weights, BLOCK_N, BLOCK_K), gl.DotOperandLayout(0, MMA, 2),
+            a = gl.convert_layout(_mma_order(weights, BLOCK_N, BLOCK_K, WORDS), gl.DotOperandLayout(0, MMA, 2),
                                   assert_trivial=True)
             x = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
             _barrier()  # every warp has read the last step's tile
             x_tile.store(x)
             _barrier()
-            x = gl.convert_layout(gl.reshape(x_tile.load(X_FRAGMENTS), [BLOCK_M, CHUNKS, 4, 2, 8]), X_LAYOUT,
+            x = gl.convert_layout(gl.reshape(x_tile.load(X_FRAGMENTS), [BLOCK_M, CHUNKS, 4, WORDS, 8]), X_LAYOUT,
                                   assert_trivial=True)
-            b = gl.convert_layout(gl.permute(_mma_order(x, BLOCK_M, BLOCK_K), [1, 0]), gl.DotOperandLayout(1, MMA, 2),
+            b = gl.convert_layout(gl.permute(_mma_order(x, BLOCK_M, BLOCK_K, WORDS), [1, 0]), gl.DotOperandLayout(1, MMA, 2),
                                   assert_trivial=True)
             acc = mma_v2(a, b, acc)
 

@@ -3,6 +3,7 @@ its Linear4bit layers computed by bitsandbytes, by the drop-in (with and without
 matmul) and by Unsloth's Linear4bit override, each step replayed from a CUDA graph.
 
     python servebench.py [--dtype bf16|fp16] [--layers 8] [--rounds 3] [--out results] [--model DIR]
+                         [--sections decode,prefill,share,train,curves]
 
 Built as users load it: random weights saved locally, loaded through transformers'
 BitsAndBytesConfig (NF4, double quantization). Per contender, rounds interleaved (the order turns
@@ -48,6 +49,7 @@ CURVE_TOKENS = (2, 512)
 CONTENDERS = ("bitsandbytes", "nf4-triton", "nf4-triton (no fused matmul)", "unsloth")
 TRAINING = ("bitsandbytes", "nf4-triton", "unsloth")  # the fused matmul serves no-grad calls only
 REFERENCE = "fp32 reference"
+SECTIONS = ("decode", "prefill", "share", "train", "curves")
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,13 +372,15 @@ def linear_share(model, fn):
 
 
 def bench_share(model, router, names, dtype_name, meta, log):
-    """``linear_share`` of a decode step at batch 1 and 8 and of a 1x512 prefill, per contender."""
+    """``linear_share`` of a decode step at every batch of ``DECODE_BATCHES`` and of a 1x128 and a 1x512
+    prefill, per contender."""
     rows = []
-    decoders = {batch: Decoder(model, batch) for batch in (1, 8)}
-    ids = torch.randint(0, model.config.vocab_size, (1, 512), device="cuda",
-                        generator=torch.Generator("cuda").manual_seed(6))
-    cases = {"decode 1": (decoders[1], decoders[1].step), "decode 8": (decoders[8], decoders[8].step),
-             "prefill 1x512": (decoders[8], lambda: model(input_ids=ids, logits_to_keep=1))}
+    decoders = {batch: Decoder(model, batch) for batch in DECODE_BATCHES}
+    cases = {f"decode {batch}": (decoder, decoder.step) for batch, decoder in decoders.items()}
+    for length in (128, 512):
+        ids = torch.randint(0, model.config.vocab_size, (1, length), device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(6))
+        cases[f"prefill 1x{length}"] = (decoders[1], lambda ids=ids: model(input_ids=ids, logits_to_keep=1))
     with torch.no_grad():
         for name in names:
             router(model, name)
@@ -428,9 +432,9 @@ def loss_curves(model, router, names, dtype_name, meta, log):
     return rows
 
 
-def run(dtype_name, layers, rounds, model_folder, meta, log=print, with_unsloth=False):
-    """Every section for one dtype; returns CSV rows. ``with_unsloth``: import Unsloth (which
-    patches transformers for every contender) and time its Linear4bit override too."""
+def run(dtype_name, layers, rounds, model_folder, meta, log=print, with_unsloth=False, sections=SECTIONS):
+    """The ``sections`` (``SECTIONS``) for one dtype; returns CSV rows. ``with_unsloth``: import Unsloth
+    (which patches transformers for every contender) and time its Linear4bit override too."""
     size = f"4096x14336 x{layers} layers"
     meta = dict(meta, model=size)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
@@ -445,16 +449,17 @@ def run(dtype_name, layers, rounds, model_folder, meta, log=print, with_unsloth=
     router = Router(model, unsloth)
     log(f"{len(router.layers)} Linear4bit layers, {layers} decoder layers, vocab {model.config.vocab_size}")
     training = list(dict.fromkeys(name for name in TRAINING if name in names))
-    sections = [
-        lambda: bench_decode(model, router, names, dtype_name, rounds, meta, log),
-        lambda: bench_prefill(model, router, names, dtype_name, rounds, meta, log),
-        lambda: bench_share(model, router, names, dtype_name, meta, log),
-        lambda: modelbench.bench_train(modelbench.add_lora(model), size, dtype_name, rounds, dict.fromkeys(training),
-                                       meta, log, tokens=TRAIN_TOKENS, route_to=router),
-        lambda: loss_curves(model, router, training, dtype_name, meta, log),
-    ]
+    bodies = {
+        "decode": lambda: bench_decode(model, router, names, dtype_name, rounds, meta, log),
+        "prefill": lambda: bench_prefill(model, router, names, dtype_name, rounds, meta, log),
+        "share": lambda: bench_share(model, router, names, dtype_name, meta, log),
+        "train": lambda: modelbench.bench_train(modelbench.add_lora(model), size, dtype_name, rounds,
+                                                dict.fromkeys(training), meta, log, tokens=TRAIN_TOKENS,
+                                                route_to=router),
+        "curves": lambda: loss_curves(model, router, training, dtype_name, meta, log),
+    }
     rows = []
-    for section in sections:
+    for section in (bodies[name] for name in SECTIONS if name in sections):
         try:
             rows += section()
         except Exception:  # the other sections still run; the log carries the failure
@@ -478,7 +483,11 @@ def main(argv=None):
     parser.add_argument("--out", default="results", help="folder for the CSV (a per-GPU subfolder is made)")
     parser.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "nf4-triton-serve-model"),
                         help="where the random model is saved (reused when there)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"a subset of {','.join(SECTIONS)}")
     args = parser.parse_args(argv)
+    sections = args.sections.split(",")
+    if not set(sections) <= set(SECTIONS):
+        parser.error(f"--sections takes names from {','.join(SECTIONS)}, got {args.sections}")
     if not torch.cuda.is_available():
         raise SystemExit("servebench.py times CUDA graphs: it needs a CUDA GPU")
     from importlib import metadata
@@ -488,10 +497,12 @@ def main(argv=None):
                 **bench_results.version_columns(("torch", "triton", "bitsandbytes", "transformers", "peft")),
                 unsloth_version=metadata.version("unsloth") if args.unsloth else "not imported")
     print(meta)
-    rows = run(args.dtype, args.layers, args.rounds, f"{args.model}-{args.layers}", meta, with_unsloth=args.unsloth)
+    rows = run(args.dtype, args.layers, args.rounds, f"{args.model}-{args.layers}", meta, with_unsloth=args.unsloth,
+               sections=sections)
     folder = bench_results.results_folder(args.out)
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"serve_{args.dtype}{'_unsloth' if args.unsloth else ''}.csv")
+    layers = "" if args.layers == LAYERS else f"_{args.layers}layers"  # the charts read the default size's files
+    path = os.path.join(folder, f"serve_{args.dtype}{layers}{'_unsloth' if args.unsloth else ''}.csv")
     bench_results.write_csv(path, rows)
     print("wrote", path, "and", ", ".join(bench_plots.plot_serve(folder)))
 

@@ -54,7 +54,8 @@ def compile_variant(capability, x_dtype, config):
         from triton.experimental.gluon._runtime import GluonASTSource
 
         fn, make_source = mma.nf4_mma_kernel, GluonASTSource
-        constexprs.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m))
+        constexprs.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m,
+                                                config.words))
     else:
         fn, make_source = matmul.nf4_matmul_kernel, triton.compiler.ASTSource
         constexprs.update(DOT=config.dot, USE_ASM=True, BF16_VIA_INT=capability < (8, 0), EVEN=True,

@@ -7,6 +7,8 @@ import csv
 import os
 import re
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = os.path.join(ROOT, "results", "nvidia-h100-80gb-hbm3")
 
@@ -76,10 +78,11 @@ def fsdp_speedups(flavour):
             if name.startswith("bitsandbytes")}
 
 
-def serve(dtype):
-    """{(kind, tokens, implementation): row} of servebench's CSV for ``dtype``, and bitsandbytes' time
-    over each row's ("x" speedups)."""
-    found = {(row["kind"], row["tokens"], row["implementation"]): row for row in rows(os.path.join(H100, f"serve_{dtype}.csv"))}
+def serve(dtype, layers=""):
+    """{(kind, tokens, implementation): row} of servebench's CSV for ``dtype`` (``layers``: "_32layers" for
+    the whole model's run), and bitsandbytes' time over each row's ("x" speedups)."""
+    found = {(row["kind"], row["tokens"], row["implementation"]): row
+             for row in rows(os.path.join(H100, f"serve_{dtype}{layers}.csv"))}
     speedup = {key: float(found[key[:2] + ("bitsandbytes",)]["median_ms"]) / float(row["median_ms"])
                for key, row in found.items() if key[0] in ("decode", "prefill", "qlora-step", "qlora-step-checkpointed")}
     return found, speedup
@@ -90,21 +93,29 @@ PREFILL = ["1x128", "1x512", "8x512", "1x2048"]
 
 
 def test_serving_headline_is_the_results():
-    """The first table: bf16 ratios and tokens/s of the drop-in, and fp16 within 0.04x of them."""
+    """The first table: bf16 ratios and tokens/s of the drop-in, decode and prefill with all 32 layers, the
+    QLoRA steps with 8; fp16 within 0.04x of them."""
     first = tables(readme())[0]
     assert first[0] == ["bf16 (fp16 within 0.04x)", "drop-in over bitsandbytes' own layers"]
-    found, speedup = serve("bf16")
-    _, fp16 = serve("fp16")
+    found, speedup = serve("bf16", "_32layers")
+    _, fp16 = serve("fp16", "_32layers")
+    assert {row["model"] for row in found.values()} == {"4096x14336 x32 layers"}
+    trained, train_speedup = serve("bf16")
+    _, train_fp16 = serve("fp16")
     ours = "nf4-triton"
+    labels = [row[0] for row in first[1:]]
+    assert [label.split(",")[:2] for label in labels[:3]] == [["decode", " 32 layers"], ["prefill", " 32 layers"],
+                                                             ["QLoRA step 4x1024", " 8 layers"]]
     decode, prefill, train, fsdp = (row[1] for row in first[1:])
     assert decimals(decode) == [f"{speedup['decode', t, ours]:.2f}" for t in DECODE]
     assert re.findall(r"\((.*) tokens/s\)", decode)[0] == " / ".join(
         f"{float(found['decode', t, ours]['tokens_per_s']):.0f}" for t in DECODE)
     assert decimals(prefill) == [f"{speedup['prefill', t, ours]:.2f}" for t in PREFILL]
-    assert decimals(train) == [f"{speedup[kind, '4x1024', ours]:.2f}" for kind in ("qlora-step", "qlora-step-checkpointed")]
+    training = ("qlora-step", "qlora-step-checkpointed")
+    assert decimals(train) == [f"{train_speedup[kind, '4x1024', ours]:.2f}" for kind in training]
     assert all(abs(fp16[key] - value) <= 0.04 + 1e-9 for key, value in speedup.items() if key[2] == ours)
-    assert all(found[kind, "4x1024", ours]["loss_equal_bitsandbytes"] == "True"
-               for kind in ("qlora-step", "qlora-step-checkpointed"))
+    assert all(abs(train_fp16[kind, "4x1024", ours] - train_speedup[kind, "4x1024", ours]) <= 0.04 for kind in training)
+    assert all(trained[kind, "4x1024", ours]["loss_equal_bitsandbytes"] == "True" for kind in training)
     real = "4096x14336x8@2x2048"
     assert first[4][0] == ("FSDP QLoRA step on two H100s, the same 8 layers, 2x2048 tokens a rank, 20 interleaved steps "
                            "(not graphs), FSDP2 / FSDP1")
@@ -116,12 +127,15 @@ def test_serving_headline_is_the_results():
         assert measured["nf4-triton"] <= measured["bitsandbytes (again)"], (flavour, measured)
 
 
-def test_serving_table_is_the_results():
-    (table,) = [table for table in tables(readme()) if table[0][:2] == ["case", "bitsandbytes"]]
-    found, speedup = serve("bf16")
+@pytest.mark.parametrize("header, layers", [("case", ""), ("case, 32 layers", "_32layers")])
+def test_serving_table_is_the_results(header, layers):
+    """The serving tables, 8 layers with the QLoRA steps and all 32 layers without: every cell from the CSV."""
+    (table,) = [table for table in tables(readme()) if table[0][:2] == [header, "bitsandbytes"]]
+    found, speedup = serve("bf16", layers)
     names = ["bitsandbytes", "nf4-triton", "nf4-triton (no fused matmul)"]
-    cases = [("decode", t) for t in DECODE] + [("prefill", t) for t in PREFILL] + [
-        ("qlora-step", "4x1024"), ("qlora-step-checkpointed", "4x1024")]
+    cases = [("decode", t) for t in DECODE] + [("prefill", t) for t in PREFILL]
+    if not layers:
+        cases += [("qlora-step", "4x1024"), ("qlora-step-checkpointed", "4x1024")]
     assert len(table) - 1 == len(cases)
     for (kind, tokens), row in zip(cases, table[1:]):
         for name, cell in zip(names, row[1:]):
