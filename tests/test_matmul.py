@@ -188,7 +188,7 @@ def test_routes_are_well_formed():
             if config is None:
                 continue
             if config.mma:
-                assert config.block_m % 8 == 0 and config.block_k % 64 == 0
+                assert config.block_m % 8 == 0 and config.words in (2, 4) and config.block_k % (32 * config.words) == 0
                 assert config.block_n % (16 * config.num_warps) == 0
             else:
                 assert config.block_m >= 16 if config.dot else config.block_m == 1
@@ -201,7 +201,9 @@ def test_routes_are_well_formed():
     assert route((9, 0), 1, 4096, 14336).config.mma and route((9, 0), 1, 4096, 4096).path == "bitsandbytes"
     assert route((9, 0), 8, 4096, 1024).config.mma and route((9, 0), 64, 4096, 4096).config.mma
     assert route((9, 0), 32, 4096, 14336).config.block_k == 256 and route((9, 0), 32, 14336, 4096).config.block_k == 64
+    assert route((9, 0), 8, 4096, 14336).config.words == 4 and route((9, 0), 32, 4096, 14336).config.words == 2
     assert not route((9, 0), 128, 4096, 14336).config.mma and route((9, 0), 128, 4096, 4096).path == "dequantize"
+    assert route((9, 0), 128, 14336, 4096).config.mma and not route((9, 0), 128, 28672, 8192).config.mma
     assert route((9, 0), 256, 14336, 4096).path == "dequantize"
     assert route((9, 0), 1, 4096, 14336, matmul.TL_ROUTES).path == "bitsandbytes"
     assert route((9, 0), 16, 4096, 14336, matmul.TL_ROUTES).config.block_n == 64
