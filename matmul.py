@@ -304,6 +304,8 @@ class Route(typing.NamedTuple):
 
 C = MatmulConfig
 _M = 1 << 20
+_TL_128_WIDE = C(128, 64, 128, 1, True, 4, 3, 2)  # the tl kernel's 128-row wgmma tiles, in both tables below
+_TL_128 = C(128, 64, 128, 2, True, 4, 3, 2)
 # Compute capability -> routes, the first one a call fits wins (else dequantize + cuBLAS).
 # The tl kernels' table, for calls mma.py's kernel cannot run (Triton before 3.6, fp32 x, sm_75).
 # sm_90: the fastest path at each point of the H100 sweep in bf16 (CUDA-graph GPU time per call,
@@ -321,10 +323,10 @@ TL_ROUTES = {
         # 124.5 / 101.4 / 81.6 at 14336x4096, M=64; 461.4 / 386.7 / 210.3 at 28672x8192
         Route(64, "fused", C(64, 64, 128, 2, True, 4, 3, 2), min_weight=56 * _M),
         # 122.7 / 99.9 / 71.6 at 4096x14336, M=128; 464.4 / 387.3 / 281.9 at 8192x28672
-        Route(128, "fused", C(128, 64, 128, 1, True, 4, 3, 2), min_weight=56 * _M, min_out=14336),
+        Route(128, "fused", _TL_128_WIDE, min_weight=56 * _M, min_out=14336),
         # 129.5 / 106.6 / 97.2 at 14336x4096, M=128; 468.7 / 394.7 / 236.9 at 28672x8192. From 256 rows on,
         # and from 32 rows on below 56M weights, dequantize + cuBLAS: 106.0 / 139.0 at 4096x14336, M=256
-        Route(128, "fused", C(128, 64, 128, 2, True, 4, 3, 2), min_weight=56 * _M),
+        Route(128, "fused", _TL_128, min_weight=56 * _M),
     ),
 }
 # Reasoned, not measured (no T4, A100 or L4 has run it): the fused kernel up to 16 rows, where it
@@ -370,8 +372,8 @@ MATMUL_ROUTES = {
         # first), 130.5 / 106.6 / 92.8 / 81.5 at 14336x4096; at 28672x8192 the tl tile's 238.1 (item 70's table)
         # against mma.py's 302.6; dequantize + cuBLAS beyond, and below 56M weights (28.0 / 27.1 / 27.1 at
         # 4096x4096, 13.0 / 26.6 / 19.3 at 4096x1024)
-        Route(128, "fused", C(128, 64, 128, 1, True, 4, 3, 2), min_weight=56 * _M, min_out=14336),
-        Route(128, "fused", C(128, 64, 128, 2, True, 4, 3, 2), min_weight=128 * _M),
+        Route(128, "fused", _TL_128_WIDE, min_weight=56 * _M, min_out=14336),
+        Route(128, "fused", _TL_128, min_weight=128 * _M),
         Route(128, "fused", _MMA_TILE(block_m=128, block_k=128, split_k=4), min_weight=56 * _M),
     ),
 }
