@@ -286,6 +286,7 @@ class MatmulConfig(typing.NamedTuple):
     lookup: int = 2  # 0 global codebook, 1 per-block product tables, 2 byte pairs (1, 2: shared memory, Triton >= 3.4)
     mma: bool = False  # mma.py's Gluon kernel (dot, num_stages and lookup unused; block_m a multiple of 8)
     words: int = 2  # mma.py: words of a weight row a thread loads at once, 2 or 4 (block_k a multiple of 32 words)
+    stage_x: bool = True  # mma.py: x's tile through shared memory, else each warp reads its fragments (rows past M unread)
 
 
 class Route(typing.NamedTuple):
@@ -340,12 +341,21 @@ TL_ROUTES.update({capability: TL_DEFAULT_ROUTES for capability in ((7, 5), (8, 0
 _MMA_TILE = C(8, 64, 256, 8, True, 4, mma=True)._replace  # the 8-row tile, varied below
 MATMUL_ROUTES = {
     (9, 0): (
+        # 1 to 4 rows, each warp reading its x fragments (item 81), against x staged: 20.6 / 21.0 / 22.6 against 23.6 /
+        # 23.6 / 23.7 at 4096x14336, 69.8 / 71.6 / 77.2 against 80.4 / 81.0 / 81.2 at 8192x28672; 26.7 against 24.2
+        # at 8 rows
+        Route(4, "fused", _MMA_TILE(split_k=4, words=4, stage_x=False), min_weight=56 * _M, min_out=14336),
         # 4 words a thread (16-byte loads, 64 registers against 79): 1 and 8 rows of 4096x14336 29.5 / 67.0 against
         # 23.3 / 23.9 at split 4 (2 words at split 8: 24.8 / 26.1)
         Route(8, "fused", _MMA_TILE(split_k=4, words=4), min_weight=56 * _M, min_out=14336),
-        # one row: 30.0 / 100.2 / - / 25.7 at 14336x4096 (2 words 27.0); below 56M weights its GEMV: 10.8 /
-        # 26.0 / - / 10.8 at 4096x4096, 7.1 / 11.4 / - / 7.6 at 4096x1024
-        Route(1, "fused", _MMA_TILE(words=4), min_weight=56 * _M),
+        # 28672x8192: 80.6 / 81.4 at 1 / 2 rows at split 4 against x staged's 82.6 / 82.5 at split 8 (87.9 / 88.9
+        # unstaged), 83.0 staged at 4 rows
+        Route(2, "fused", _MMA_TILE(split_k=4, words=4, stage_x=False), min_weight=128 * _M),
+        Route(8, "fused", _MMA_TILE(words=4), min_weight=128 * _M),
+        # 14336x4096, 1 to 4 rows: 24.4 / 24.6 / 25.3 against 25.9 / 25.9 / 26.0 staged; one row: 30.0 / 100.2 at
+        # 14336x4096 for bitsandbytes / dequantize + cuBLAS; below 56M weights its GEMV: 10.8 / 26.0 / - / 10.8 at
+        # 4096x4096, 7.1 / 11.4 / - / 7.6 at 4096x1024
+        Route(4, "fused", _MMA_TILE(words=4, stage_x=False), min_weight=56 * _M),
         Route(1, "bitsandbytes"),
         # 8 rows: 124.4 / 100.2 / 47.8 / 26.5 at 14336x4096 (2 words 26.3); 37.3 / 25.2 / 17.8 / 11.1 at 4096x4096
         # (11.0); 17.5 / 11.3 / 10.5 / 7.8 at 4096x1024 (7.9)
@@ -476,8 +486,8 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
                    USE_INT64=n * k > 2**31 - 1, num_warps=config.num_warps)
     if config.mma:
         kernel_fn = mma.nf4_mma_kernel
-        options.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m,
-                                             config.words))
+        options.update(STAGE_X=config.stage_x, **mma.layout_constexprs(config.num_warps, config.block_n,
+                                                                        config.block_k, config.block_m, config.words))
     else:
         kernel_fn = nf4_matmul_kernel
         options.update(DOT=config.dot, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int, LOOKUP=code_lookup,
@@ -636,7 +646,7 @@ def _linear_op(
 def _config_of(values):
     """A MatmulConfig from the operator's list of ints (``dot`` and ``mma`` travel as 0 or 1)."""
     config = MatmulConfig._make(values)
-    return config._replace(dot=bool(config.dot), mma=bool(config.mma))
+    return config._replace(dot=bool(config.dot), mma=bool(config.mma), stage_x=bool(config.stage_x))
 
 
 def _linear_op_fake(x, packed, absmax, code, absmax2, code2, offset, bias, out_features, blocksize, blocksize2,

@@ -6,7 +6,9 @@ permuted, the same way for the weight and for x, so that the codes a thread's A 
 are W contiguous words of one weight row: one load of 4 W bytes and one scale a row and chunk, no
 shared memory for the weight and no exchange between threads (the layouts' conversion is
 asserted trivial at compile time). x's tile, which every warp needs whole, is read once a program
-into shared memory, coalesced, and read back in the fragments' order. Thread ``t`` of a row quad
+into shared memory, coalesced, and read back in the fragments' order; or, from one to four rows
+(``STAGE_X`` off), each warp reads its fragments from global memory itself, the padding rows past
+M never read: fewer L1 wavefronts, where shuffles and x's reads are most of them. Thread ``t`` of a row quad
 holds physical columns ``8 W t .. 8 W t + 8 W - 1`` of a chunk; column ``8 W t + 4 s + 2 p + q``
 sits in k-step ``s`` at logical column ``16 s + 8 p + 2 t + q``, which is where mma.sync expects
 A[g][2t + q] (p = 0) and A[g][2t + 8 + q] (p = 1), and B likewise.
@@ -159,6 +161,7 @@ if AVAILABLE:
         HAS_BIAS: gl.constexpr,  # add bias (SPLIT_K == 1 only; the reduction adds it otherwise)
         USE_INT64: gl.constexpr,  # 64-bit offsets into the weight
         WORDS: gl.constexpr,  # words of a row each thread holds a chunk: 2 (64-column chunks) or 4 (128)
+        STAGE_X: gl.constexpr,  # x's tile through shared memory, else each warp's fragments from global memory
         W_LAYOUT: gl.constexpr,  # layouts(...)[0]
         X_LAYOUT: gl.constexpr,  # layouts(...)[1]
         MMA: gl.constexpr,  # layouts(...)[2]
@@ -195,12 +198,17 @@ if AVAILABLE:
         if FP4:  # bitsandbytes forms an FP4 value as sign * magnitude: code 8 is -0.0
             entry = (entry.to(gl.uint32, bitcast=True) | ((lane >> 3).to(gl.uint32) << 31)).to(gl.float32, bitcast=True)
 
-        # x's tile goes through shared memory: read once a program, coalesced, where each warp read it
-        # all in the mma's order (32-byte pieces 64 bytes apart: half of every sector wasted)
-        x_row = gl.expand_dims(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_GLOBAL)), 1)
-        x_ptrs = x_ptr + x_row * stride_xm + gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, X_GLOBAL)), 0)
-        x_mask = x_row < M
-        x_tile = gl.allocate_shared_memory(X_DTYPE, [BLOCK_M, BLOCK_K], X_SHARED)
+        if STAGE_X:  # x's tile through shared memory: read once a program, coalesced
+            x_row = gl.expand_dims(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_GLOBAL)), 1)
+            x_ptrs = (x_ptr + x_row * stride_xm
+                      + gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, X_GLOBAL)), 0))
+            x_mask = x_row < M
+            x_tile = gl.allocate_shared_memory(X_DTYPE, [BLOCK_M, BLOCK_K], X_SHARED)
+        else:  # each warp reads its fragments itself, a thread's 8 WORDS columns of a chunk at once; rows past M unread
+            x_row = pid_m * BLOCK_M + _along(BLOCK_M, 0, X_LAYOUT)
+            x_ptrs = (x_ptr + x_row * stride_xm + _along(CHUNKS, 1, X_LAYOUT) * (32 * WORDS)
+                      + _along(4, 2, X_LAYOUT) * (8 * WORDS) + _along(WORDS, 3, X_LAYOUT) * 8 + _along(8, 4, X_LAYOUT))
+            x_mask = x_row < M
 
         if NESTED:
             offset = gl.load(offset_ptr)
@@ -235,11 +243,12 @@ if AVAILABLE:
             a = gl.convert_layout(_mma_order(weights, BLOCK_N, BLOCK_K, WORDS), gl.DotOperandLayout(0, MMA, 2),
                                   assert_trivial=True)
             x = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
-            _barrier()  # every warp has read the last step's tile
-            x_tile.store(x)
-            _barrier()
-            x = gl.convert_layout(gl.reshape(x_tile.load(X_FRAGMENTS), [BLOCK_M, CHUNKS, 4, WORDS, 8]), X_LAYOUT,
-                                  assert_trivial=True)
+            if STAGE_X:
+                _barrier()  # every warp has read the last step's tile
+                x_tile.store(x)
+                _barrier()
+                x = gl.convert_layout(gl.reshape(x_tile.load(X_FRAGMENTS), [BLOCK_M, CHUNKS, 4, WORDS, 8]), X_LAYOUT,
+                                      assert_trivial=True)
             b = gl.convert_layout(gl.permute(_mma_order(x, BLOCK_M, BLOCK_K, WORDS), [1, 0]), gl.DotOperandLayout(1, MMA, 2),
                                   assert_trivial=True)
             acc = mma_v2(a, b, acc)

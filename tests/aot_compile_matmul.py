@@ -54,6 +54,7 @@ def compile_variant(capability, x_dtype, config):
         from triton.experimental.gluon._runtime import GluonASTSource
 
         fn, make_source = mma.nf4_mma_kernel, GluonASTSource
+        constexprs.update(STAGE_X=config.stage_x)
         constexprs.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m,
                                                 config.words))
     else:

@@ -202,6 +202,8 @@ def test_routes_are_well_formed():
     assert route((9, 0), 8, 4096, 1024).config.mma and route((9, 0), 64, 4096, 4096).config.mma
     assert route((9, 0), 32, 4096, 14336).config.block_k == 256 and route((9, 0), 32, 14336, 4096).config.block_k == 64
     assert route((9, 0), 8, 4096, 14336).config.words == 4 and route((9, 0), 32, 4096, 14336).config.words == 2
+    assert not route((9, 0), 4, 4096, 14336).config.stage_x and route((9, 0), 8, 4096, 14336).config.stage_x
+    assert not route((9, 0), 2, 28672, 8192).config.stage_x and route((9, 0), 4, 28672, 8192).config.stage_x
     assert not route((9, 0), 128, 4096, 14336).config.mma and route((9, 0), 128, 4096, 4096).path == "dequantize"
     assert route((9, 0), 128, 14336, 4096).config.mma and not route((9, 0), 128, 28672, 8192).config.mma
     assert route((9, 0), 256, 14336, 4096).path == "dequantize"
@@ -249,7 +251,8 @@ def test_routes_compile_ahead_of_time(cc):
     """Every fused route's configuration compiles for the GPUs it names (K = 4096), with the decode's
     multiply in inline PTX and the product on tensor cores from sm_80 (wgmma where a warp group
     holds 64 weight rows on sm_90, else mma; sm_75 has no bf16 product, its fp16 dot is Triton's);
-    mma.py's routes with shared memory for x's tile alone (Triton 3.6 on)."""
+    mma.py's routes with shared memory for x's tile alone where they stage it, none where each warp
+    reads its own fragments (Triton 3.6 on)."""
     import json
     import os
     import subprocess
@@ -263,7 +266,7 @@ def test_routes_compile_ahead_of_time(cc):
     for line in lines:
         assert line["asm_mul_ftz"] > 0, line
         if line["config"][8]:  # mma.py's kernel: mma.sync on fragments decoded in registers, codes by shuffle
-            x_tile_bytes = line["config"][0] * line["config"][2] * 2
+            x_tile_bytes = line["config"][0] * line["config"][2] * 2 if line["config"][10] else 0  # stage_x
             assert line["mma"] > 0 and line["shfl"] > 0 and line["shared_bytes"] == x_tile_bytes, line
         elif line["config"][4]:  # a tensor-core tile
             assert cc < 80 or line["wgmma"] + line["mma"] > 0, line
@@ -288,10 +291,11 @@ def test_gpu_every_h100_route_within_bound(dtype):
 
 
 # mma.py's tiles: (block_m, block_n, block_k, split_k, num_warps); one to four repeats of 16 rows a warp, 2 or 4
-# words a thread and chunk.
+# words a thread and chunk, x staged in shared memory or read by each warp.
 MMA_CONFIGS = [C(8, 64, 64, 1, True, 4, mma=True), C(16, 128, 128, 2, True, 4, mma=True),
                C(8, 128, 256, 4, True, 8, mma=True), C(64, 128, 64, 1, True, 2, mma=True),
-               C(8, 64, 256, 2, True, 4, mma=True, words=4), C(16, 64, 128, 1, True, 4, mma=True, words=4)]
+               C(8, 64, 256, 2, True, 4, mma=True, words=4), C(16, 64, 128, 1, True, 4, mma=True, words=4),
+               C(8, 64, 256, 4, True, 4, mma=True, words=4, stage_x=False), C(16, 64, 64, 2, True, 4, mma=True, stage_x=False)]
 
 
 @pytest.mark.gpu
