@@ -15,7 +15,8 @@ Two shapes of program, both over bitsandbytes' layout as it is (no repack):
   (Triton 3.6 on, sm_80 on, fp16 and bf16) from 1 to 64 rows; the two ``tl`` shapes serve the rest.
 Where N alone does not fill the GPU, ``SPLIT_K`` programs share a row of outputs: each writes its
 fp32 partial sums and a second small kernel adds them in a fixed order (deterministic), adds the
-bias and casts.
+bias and casts; or (``fold``, mma.py) the last program of a tile to store, counted by an atomic,
+adds them itself in the same order.
 """
 
 import copy
@@ -287,6 +288,7 @@ class MatmulConfig(typing.NamedTuple):
     mma: bool = False  # mma.py's Gluon kernel (dot, num_stages and lookup unused; block_m a multiple of 8)
     words: int = 2  # mma.py: words of a weight row a thread loads at once, 2 or 4 (block_k a multiple of 32 words)
     stage_x: bool = True  # mma.py: x's tile through shared memory, else each warp reads its fragments (rows past M unread)
+    fold: bool = False  # mma.py with split_k > 1: the tile's last program adds the partial sums (no second kernel)
 
 
 class Route(typing.NamedTuple):
@@ -349,21 +351,23 @@ MATMUL_ROUTES = {
         # 23.3 / 23.9 at split 4 (2 words at split 8: 24.8 / 26.1)
         Route(8, "fused", _MMA_TILE(split_k=4, words=4), min_weight=56 * _M, min_out=14336),
         # 28672x8192: 80.6 / 81.4 at 1 / 2 rows at split 4 against x staged's 82.6 / 82.5 at split 8 (87.9 / 88.9
-        # unstaged), 83.0 staged at 4 rows
+        # unstaged), 83.0 staged at 4 rows. The split-K sum folded in (item 81): 82.8 / 84.3 against 83.3 / 85.1 at
+        # 4 / 8 rows; 82.2 / 83.1 against 80.9 / 81.6 at 1 / 2 rows, so not there (nor on 4096x14336: 24.5 against 24.4)
         Route(2, "fused", _MMA_TILE(split_k=4, words=4, stage_x=False), min_weight=128 * _M),
-        Route(8, "fused", _MMA_TILE(words=4), min_weight=128 * _M),
-        # 14336x4096, 1 to 4 rows: 24.4 / 24.6 / 25.3 against 25.9 / 25.9 / 26.0 staged; one row: 30.0 / 100.2 at
-        # 14336x4096 for bitsandbytes / dequantize + cuBLAS; below 56M weights its GEMV: 10.8 / 26.0 / - / 10.8 at
-        # 4096x4096, 7.1 / 11.4 / - / 7.6 at 4096x1024
-        Route(4, "fused", _MMA_TILE(words=4, stage_x=False), min_weight=56 * _M),
+        Route(8, "fused", _MMA_TILE(words=4, fold=True), min_weight=128 * _M),
+        # 14336x4096, 1 to 4 rows: 24.4 / 24.6 / 25.3 against 25.9 / 25.9 / 26.0 staged, folded 23.5 / 24.0 / 24.5;
+        # one row: 30.0 / 100.2 at 14336x4096 for bitsandbytes / dequantize + cuBLAS; below 56M weights its GEMV:
+        # 10.8 / 26.0 / - / 10.8 at 4096x4096, 7.1 / 11.4 / - / 7.6 at 4096x1024
+        Route(4, "fused", _MMA_TILE(words=4, stage_x=False, fold=True), min_weight=56 * _M),
         Route(1, "bitsandbytes"),
         # 8 rows: 124.4 / 100.2 / 47.8 / 26.5 at 14336x4096 (2 words 26.3); 37.3 / 25.2 / 17.8 / 11.1 at 4096x4096
-        # (11.0); 17.5 / 11.3 / 10.5 / 7.8 at 4096x1024 (7.9)
-        Route(8, "fused", _MMA_TILE(words=4)),
+        # (11.0); 17.5 / 11.3 / 10.5 / 7.8 at 4096x1024 (7.9). Folded: 25.7 against 26.4, 10.4 against 11.3, 6.9
+        # against 8.0 (2 to 8 rows: 0.5 to 1.2 us less)
+        Route(8, "fused", _MMA_TILE(words=4, fold=True)),
         # 16 rows: 67.8 / 100.4 / 49.5 / 29.7 at 4096x14336 (2 words 30.6); 124.6 / 100.3 / - / 29.0 at 14336x4096
         # (4 words 31.4); 37.5 / 26.1 / - / 12.0 at 4096x4096 (12.1); 17.4 / 11.4 / - / 7.7 at 4096x1024 (8.4)
         Route(16, "fused", _MMA_TILE(block_m=16, split_k=4, words=4), min_weight=56 * _M, min_out=14336),
-        Route(16, "fused", _MMA_TILE(block_m=16), min_weight=56 * _M),
+        Route(16, "fused", _MMA_TILE(block_m=16, fold=True), min_weight=56 * _M),  # folded 28.4 against 29.2
         Route(16, "fused", _MMA_TILE(block_m=16, words=4)),
         # 69.4 / 98.8 / - / 36.2 at 4096x14336, M=32; 125.2 / 100.3 / - / 34.7 at 14336x4096; 35.9 / 24.8 / - /
         # 15.0 at 4096x4096; 18.0 / 11.6 / - / 10.0 at 4096x1024
@@ -445,9 +449,57 @@ LAUNCHES = {}
 MOST_LAUNCHES = 4096
 
 
+# Split-K scratch: fp32 partial sums and the tile counters of the folded sum. A stream's eager
+# launches run one after another, so they share that stream's scratch (a fold leaves its counters
+# at zero); a launch captured into a CUDA graph takes partials from the graph's own pool and
+# counters never handed out again, so no replay shares them with another launch.
+FOLD_COUNTERS = 1 << 22  # int32 zeros a device keeps for folds (16 MiB), made at its first fold outside a capture
+STREAM_COUNTERS = 4096  # output tiles a stream's eager launches fold at most
+_SCRATCH = {}  # device index -> _Scratch
+
+
+class _Scratch:
+    """One device's split-K scratch: the fold counters, handed out in slices, and each stream's partials
+    and slice."""
+
+    def __init__(self):
+        self.counters = None
+        self.handed_out = 0
+        self.streams = {}  # raw stream -> (partials, counters)
+
+    def take(self, device, count, capturing):
+        """``count`` zero counters no one else holds, or None where too few are left."""
+        if self.counters is None:
+            if capturing:
+                return None
+            self.counters = torch.zeros(FOLD_COUNTERS, dtype=torch.int32, device=device)
+            torch.cuda.synchronize(device)  # zero before any stream reads them
+        if self.handed_out + count > FOLD_COUNTERS:
+            return None
+        self.handed_out += count
+        return self.counters[self.handed_out - count:self.handed_out]
+
+
+def split_k_scratch(device, elements, tiles):
+    """(fp32 partials of at least ``elements``, int32 zero counters for ``tiles`` output tiles, or None
+    where no fold is asked or none is left) for a split-K launch on the current stream of ``device``."""
+    scratch = _SCRATCH.setdefault(device.index, _Scratch())
+    if torch.cuda.is_current_stream_capturing():  # this launch's own, for every replay
+        return (torch.empty(elements, dtype=torch.float32, device=device),
+                scratch.take(device, tiles, True) if tiles else None)
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    partials, counters = scratch.streams.get(stream, (None, None))
+    if partials is None or partials.numel() < elements:
+        partials = torch.empty(elements, dtype=torch.float32, device=device)
+    if counters is None and tiles:
+        counters = scratch.take(device, STREAM_COUNTERS, False)
+    scratch.streams[stream] = (partials, counters)
+    return partials, counters if 0 < tiles <= STREAM_COUNTERS else None
+
+
 def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2, nested, fp4, config,
                  use_asm=None, bf16_via_int=None):
-    """Launch the fused matmul (and the split-K reduction) for validated arguments."""
+    """Launch the fused matmul (and the split-K reduction, where not folded) for validated arguments."""
     absmax, code, absmax2, code2, offset = tables
     if packed.data_ptr() % 4:
         packed = packed.clone()  # int32 word loads need 4-byte alignment; a fresh allocation has it
@@ -460,44 +512,55 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
     code_lookup = config.lookup if kernel.TRITON_COMPILES_SHARED_TABLES else 0  # gathers compile from Triton 3.4
     steps = triton.cdiv(k, config.block_k)
     split_k = max(split for split in range(1, config.split_k + 1) if steps % split == 0)
-    target = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x2d.device)
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split_k)
+    partials = counters = None
+    if split_k > 1 and INTERPRET:
+        partials = torch.empty(split_k * m * n, dtype=torch.float32, device=x2d.device)
+    elif split_k > 1:
+        partials, counters = split_k_scratch(x2d.device, split_k * m * n,
+                                             grid[0] * grid[1] if config.mma and config.fold else 0)
+    fold = counters is not None
+    # what a repeated call replaces besides x: mma.py's output, the tl kernel's output or partial sums
+    target = out if config.mma or split_k == 1 else partials
     device = x2d.device.index
     key = None
     if (not INTERPRET and fastpath.ENABLED and not fastpath.launch_hooks_active()
-            and torch._C._cuda_getDevice() == device):
+            and torch._C._cuda_getDevice() == device and not torch.cuda.is_current_stream_capturing()):
         key = (device, x2d.dtype, m, n, k, x2d.stride(0), x2d.data_ptr() % 16, out.data_ptr() % 16, packed.data_ptr(),
                absmax.data_ptr(), code.data_ptr(), absmax2.data_ptr(), code2.data_ptr(), offset.data_ptr(),
                None if bias is None else bias.data_ptr(), blocksize, blocksize2, nested, fp4, config, use_asm,
-               bf16_via_int, code_lookup)
+               bf16_via_int, code_lookup, None if partials is None else partials.data_ptr(),
+               None if counters is None else counters.data_ptr())
         launches = LAUNCHES.get(key)
         if launches is not None:
             stream = torch._C._cuda_getCurrentRawStream(device)
             fused, reduce = launches
             fused(stream, x2d.data_ptr(), target.data_ptr())
             if reduce is not None:
-                reduce(stream, target.data_ptr(), out.data_ptr())
+                reduce(stream, partials.data_ptr(), out.data_ptr())
             return out
-    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split_k)
-    args = (x2d, packed, absmax, code, absmax2, code2, offset, bias if bias is not None else out, target, m, n, k,
-            x2d.stride(0))
+    head = (x2d, packed, absmax, code, absmax2, code2, offset, bias if bias is not None else out, target)
     options = dict(BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, FP4=fp4, X_DTYPE=x_dtype,
                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
-                   STEPS_PER_SPLIT=steps // split_k, HAS_BIAS=bias is not None and split_k == 1,
+                   STEPS_PER_SPLIT=steps // split_k, HAS_BIAS=bias is not None and (split_k == 1 or fold),
                    USE_INT64=n * k > 2**31 - 1, num_warps=config.num_warps)
     if config.mma:
         kernel_fn = mma.nf4_mma_kernel
-        options.update(STAGE_X=config.stage_x, **mma.layout_constexprs(config.num_warps, config.block_n,
-                                                                        config.block_k, config.block_m, config.words))
+        args = head + (out if partials is None else partials, out if counters is None else counters, m, n, k,
+                       x2d.stride(0))
+        options.update(FOLD=fold, STAGE_X=config.stage_x, **mma.layout_constexprs(
+            config.num_warps, config.block_n, config.block_k, config.block_m, config.words))
     else:
         kernel_fn = nf4_matmul_kernel
+        args = head + (m, n, k, x2d.stride(0))
         options.update(DOT=config.dot, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int, LOOKUP=code_lookup,
                        EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_stages=config.num_stages)
     fused = _run(kernel_fn, grid, args, options, out_at=None if key is None else 8)
     reduce = None
-    if split_k > 1:
+    if split_k > 1 and not fold:
         block = 1024
         reduce = _run(split_k_reduce_kernel, (triton.cdiv(m * n, block), 1, 1), (
-            target, bias if bias is not None else out, out, m * n, n), dict(
+            partials, bias if bias is not None else out, out, m * n, n), dict(
             SPLIT_K=split_k, HAS_BIAS=bias is not None, OUT_DTYPE=x_dtype, BF16_VIA_INT=bf16_via_int, BLOCK=block,
             num_warps=4), out_at=None if key is None else 2)
     if key is not None:
@@ -646,7 +709,8 @@ def _linear_op(
 def _config_of(values):
     """A MatmulConfig from the operator's list of ints (``dot`` and ``mma`` travel as 0 or 1)."""
     config = MatmulConfig._make(values)
-    return config._replace(dot=bool(config.dot), mma=bool(config.mma), stage_x=bool(config.stage_x))
+    return config._replace(dot=bool(config.dot), mma=bool(config.mma), stage_x=bool(config.stage_x),
+                           fold=bool(config.fold))
 
 
 def _linear_op_fake(x, packed, absmax, code, absmax2, code2, offset, bias, out_features, blocksize, blocksize2,

@@ -139,8 +139,10 @@ if AVAILABLE:
         code2_ptr,  # fp32 [256] (NESTED only)
         offset_ptr,  # fp32 [1] (NESTED only)
         bias_ptr,  # [N] in x's dtype (HAS_BIAS only)
-        # output
-        out_ptr,  # [M, N] in x's dtype; with SPLIT_K > 1, fp32 partial sums [SPLIT_K, M, N]
+        # outputs
+        out_ptr,  # [M, N] in x's dtype (where SPLIT_K > 1, written here with FOLD only)
+        partial_ptr,  # fp32 [SPLIT_K, M, N], each program's partial sums (SPLIT_K > 1)
+        counter_ptr,  # int32, one per output tile: its programs that have stored; zero before and after (FOLD)
         # sizes
         M,  # rows of x
         N,  # output features (rows of the weight)
@@ -158,7 +160,8 @@ if AVAILABLE:
         BLOCK_K: gl.constexpr,  # columns per step (a multiple of 32 * WORDS)
         SPLIT_K: gl.constexpr,  # programs sharing one output tile along K (fp32 partials when > 1)
         STEPS_PER_SPLIT: gl.constexpr,  # BLOCK_K steps per program
-        HAS_BIAS: gl.constexpr,  # add bias (SPLIT_K == 1 only; the reduction adds it otherwise)
+        HAS_BIAS: gl.constexpr,  # add bias (where this kernel writes out)
+        FOLD: gl.constexpr,  # SPLIT_K > 1: the tile's last program to store adds the partials, not a second kernel
         USE_INT64: gl.constexpr,  # 64-bit offsets into the weight
         WORDS: gl.constexpr,  # words of a row each thread holds a chunk: 2 (64-column chunks) or 4 (128)
         STAGE_X: gl.constexpr,  # x's tile through shared memory, else each warp's fragments from global memory
@@ -257,7 +260,20 @@ if AVAILABLE:
         m = gl.expand_dims(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA)), 0)
         out_mask = (m < M) & (n < N)
         if SPLIT_K > 1:
-            gl.store(out_ptr + pid_k.to(gl.int64) * M * N + m * N + n, acc, mask=out_mask)
+            partial = partial_ptr + m * N + n
+            gl.store(partial + pid_k.to(gl.int64) * M * N, acc, mask=out_mask)
+            if FOLD:
+                _barrier()  # every thread's partial sums stored before the count's release (a gpu-scope fence)
+                tile = pid_m * gl.num_programs(0) + pid_n
+                arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLIT_K - 1:  # the tile's last program: split_k_reduce_kernel's sum, in its order
+                    total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+                    for split in gl.static_range(SPLIT_K):
+                        total += gl.load(partial + split * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                    if HAS_BIAS:
+                        total += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
+                    gl.store(out_ptr + m * N + n, total.to(X_DTYPE), mask=out_mask)
+                    gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero for the next launch
         else:
             if HAS_BIAS:
                 acc += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)

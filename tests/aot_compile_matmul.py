@@ -54,7 +54,8 @@ def compile_variant(capability, x_dtype, config):
         from triton.experimental.gluon._runtime import GluonASTSource
 
         fn, make_source = mma.nf4_mma_kernel, GluonASTSource
-        constexprs.update(STAGE_X=config.stage_x)
+        signature.update(out_ptr=f"*{name}", partial_ptr="*fp32", counter_ptr="*i32")
+        constexprs.update(STAGE_X=config.stage_x, FOLD=config.fold and config.split_k > 1)
         constexprs.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m,
                                                 config.words))
     else:

@@ -193,6 +193,7 @@ def test_routes_are_well_formed():
             else:
                 assert config.block_m >= 16 if config.dot else config.block_m == 1
             assert config.block_k % 8 == 0 and config.split_k >= 1
+            assert not config.fold or (config.mma and config.split_k > 1)
     for routes in matmul.TL_ROUTES.values():  # the table for where mma.py's kernel cannot run
         assert not any(route.config is not None and route.config.mma for route in routes)
     assert not any(route.config is not None and route.config.mma for route in matmul.MATMUL_ROUTES[(7, 5)])
@@ -204,6 +205,8 @@ def test_routes_are_well_formed():
     assert route((9, 0), 8, 4096, 14336).config.words == 4 and route((9, 0), 32, 4096, 14336).config.words == 2
     assert not route((9, 0), 4, 4096, 14336).config.stage_x and route((9, 0), 8, 4096, 14336).config.stage_x
     assert not route((9, 0), 2, 28672, 8192).config.stage_x and route((9, 0), 4, 28672, 8192).config.stage_x
+    assert route((9, 0), 8, 4096, 4096).config.fold and not route((9, 0), 8, 4096, 14336).config.fold
+    assert route((9, 0), 1, 14336, 4096).config.fold and not route((9, 0), 1, 28672, 8192).config.fold
     assert not route((9, 0), 128, 4096, 14336).config.mma and route((9, 0), 128, 4096, 4096).path == "dequantize"
     assert route((9, 0), 128, 14336, 4096).config.mma and not route((9, 0), 128, 28672, 8192).config.mma
     assert route((9, 0), 256, 14336, 4096).path == "dequantize"
@@ -252,7 +255,7 @@ def test_routes_compile_ahead_of_time(cc):
     multiply in inline PTX and the product on tensor cores from sm_80 (wgmma where a warp group
     holds 64 weight rows on sm_90, else mma; sm_75 has no bf16 product, its fp16 dot is Triton's);
     mma.py's routes with shared memory for x's tile alone where they stage it, none where each warp
-    reads its own fragments (Triton 3.6 on)."""
+    reads its own fragments, the folded split-K sum's count in 4 bytes (the tile's space, where it has one)."""
     import json
     import os
     import subprocess
@@ -267,7 +270,8 @@ def test_routes_compile_ahead_of_time(cc):
         assert line["asm_mul_ftz"] > 0, line
         if line["config"][8]:  # mma.py's kernel: mma.sync on fragments decoded in registers, codes by shuffle
             x_tile_bytes = line["config"][0] * line["config"][2] * 2 if line["config"][10] else 0  # stage_x
-            assert line["mma"] > 0 and line["shfl"] > 0 and line["shared_bytes"] == x_tile_bytes, line
+            count_bytes = 4 if line["config"][11] else 0  # fold: the tile's count, shared with every thread
+            assert line["mma"] > 0 and line["shfl"] > 0 and line["shared_bytes"] == max(x_tile_bytes, count_bytes), line
         elif line["config"][4]:  # a tensor-core tile
             assert cc < 80 or line["wgmma"] + line["mma"] > 0, line
 
@@ -291,11 +295,14 @@ def test_gpu_every_h100_route_within_bound(dtype):
 
 
 # mma.py's tiles: (block_m, block_n, block_k, split_k, num_warps); one to four repeats of 16 rows a warp, 2 or 4
-# words a thread and chunk, x staged in shared memory or read by each warp.
+# words a thread and chunk, x staged in shared memory or read by each warp, the split-K sum in a second kernel or
+# folded into the first.
 MMA_CONFIGS = [C(8, 64, 64, 1, True, 4, mma=True), C(16, 128, 128, 2, True, 4, mma=True),
                C(8, 128, 256, 4, True, 8, mma=True), C(64, 128, 64, 1, True, 2, mma=True),
                C(8, 64, 256, 2, True, 4, mma=True, words=4), C(16, 64, 128, 1, True, 4, mma=True, words=4),
-               C(8, 64, 256, 4, True, 4, mma=True, words=4, stage_x=False), C(16, 64, 64, 2, True, 4, mma=True, stage_x=False)]
+               C(8, 64, 256, 4, True, 4, mma=True, words=4, stage_x=False), C(16, 64, 64, 2, True, 4, mma=True, stage_x=False),
+               C(8, 64, 256, 4, True, 4, mma=True, words=4, fold=True),
+               C(8, 64, 128, 2, True, 4, mma=True, words=4, stage_x=False, fold=True)]
 
 
 @pytest.mark.gpu
@@ -318,6 +325,40 @@ def test_gpu_mma_weights_bit_exact(config, form):
         x = torch.randn(13, in_features, device="cuda", dtype=dtype)
         bias = torch.randn(out_features, device="cuda", dtype=dtype)
         assert_within_bound(launch(x, packed, state, config, bias), x, weight, bias)
+
+
+@pytest.mark.gpu
+def test_gpu_folded_split_k_sum_owns_its_scratch():
+    """The split-K sum folded into mma.py's kernel equals the reduction kernel's bit for bit, with bias: calls
+    on two streams at once (each stream its own counters and partials), and a captured graph replayed while
+    another stream runs the same layer eagerly (the captured launch's counters and partials its own)."""
+    dtype, config = torch.bfloat16, C(8, 64, 256, 4, True, 4, mma=True, words=4, fold=True)
+    packed, state = quantize((4096, 2048), dtype=dtype, device="cuda", seed=5)
+    bias = torch.randn(4096, device="cuda", dtype=dtype)
+    xs = [torch.randn(rows, 2048, device="cuda", dtype=dtype) for rows in (1, 3, 8, 8)]
+    expected = [launch(x, packed, state, config._replace(fold=False), bias) for x in xs]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for _ in range(20):
+        outs = []
+        for index, x in enumerate(xs):
+            with torch.cuda.stream(streams[index % 2]):
+                outs.append([launch(x, packed, state, config, bias) for _ in range(3)])
+        torch.cuda.synchronize()
+        assert all(torch.equal(y, want) for ys, want in zip(outs, expected) for y in ys)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch(xs[2], packed, state, config, bias)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = launch(xs[2], packed, state, config, bias)
+    for _ in range(20):
+        with torch.cuda.stream(side):
+            eager = launch(xs[3], packed, state, config, bias)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, expected[2]) and torch.equal(eager, expected[3])
 
 
 @pytest.mark.gpu
