@@ -20,6 +20,7 @@ adds them itself in the same order.
 """
 
 import copy
+import threading
 import typing
 
 import torch
@@ -466,18 +467,20 @@ class _Scratch:
         self.counters = None
         self.handed_out = 0
         self.streams = {}  # raw stream -> (partials, counters)
+        self.lock = threading.Lock()  # threads launching on different streams never get one slice
 
     def take(self, device, count, capturing):
         """``count`` zero counters no one else holds, or None where too few are left."""
-        if self.counters is None:
-            if capturing:
+        with self.lock:
+            if self.counters is None:
+                if capturing:
+                    return None
+                self.counters = torch.zeros(FOLD_COUNTERS, dtype=torch.int32, device=device)
+                torch.cuda.synchronize(device)  # zero before any stream reads them
+            if self.handed_out + count > FOLD_COUNTERS:
                 return None
-            self.counters = torch.zeros(FOLD_COUNTERS, dtype=torch.int32, device=device)
-            torch.cuda.synchronize(device)  # zero before any stream reads them
-        if self.handed_out + count > FOLD_COUNTERS:
-            return None
-        self.handed_out += count
-        return self.counters[self.handed_out - count:self.handed_out]
+            self.handed_out += count
+            return self.counters[self.handed_out - count:self.handed_out]
 
 
 def split_k_scratch(device, elements, tiles):
