@@ -486,7 +486,9 @@ class _Scratch:
 def split_k_scratch(device, elements, tiles):
     """(fp32 partials of at least ``elements``, int32 zero counters for ``tiles`` output tiles, or None
     where no fold is asked or none is left) for a split-K launch on the current stream of ``device``."""
-    scratch = _SCRATCH.setdefault(device.index, _Scratch())
+    scratch = _SCRATCH.get(device.index)
+    if scratch is None:
+        scratch = _SCRATCH.setdefault(device.index, _Scratch())
     if torch.cuda.is_current_stream_capturing():  # this launch's own, for every replay
         return (torch.empty(elements, dtype=torch.float32, device=device),
                 scratch.take(device, tiles, True) if tiles else None)
