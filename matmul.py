@@ -483,13 +483,14 @@ class _Scratch:
             return self.counters[self.handed_out - count:self.handed_out]
 
 
-def split_k_scratch(device, elements, tiles):
+def split_k_scratch(device, elements, tiles, capturing):
     """(fp32 partials of at least ``elements``, int32 zero counters for ``tiles`` output tiles, or None
-    where no fold is asked or none is left) for a split-K launch on the current stream of ``device``."""
+    where no fold is asked or none is left) for a split-K launch on the current stream of ``device``;
+    ``capturing``: that stream is being captured into a CUDA graph."""
     scratch = _SCRATCH.get(device.index)
     if scratch is None:
         scratch = _SCRATCH.setdefault(device.index, _Scratch())
-    if torch.cuda.is_current_stream_capturing():  # this launch's own, for every replay
+    if capturing:  # this launch's own, for every replay
         return (torch.empty(elements, dtype=torch.float32, device=device),
                 scratch.take(device, tiles, True) if tiles else None)
     stream = torch._C._cuda_getCurrentRawStream(device.index)
@@ -518,19 +519,20 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
     steps = triton.cdiv(k, config.block_k)
     split_k = max(split for split in range(1, config.split_k + 1) if steps % split == 0)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split_k)
+    capturing = not INTERPRET and torch.cuda.is_current_stream_capturing()
     partials = counters = None
     if split_k > 1 and INTERPRET:
         partials = torch.empty(split_k * m * n, dtype=torch.float32, device=x2d.device)
     elif split_k > 1:
         partials, counters = split_k_scratch(x2d.device, split_k * m * n,
-                                             grid[0] * grid[1] if config.mma and config.fold else 0)
+                                             grid[0] * grid[1] if config.mma and config.fold else 0, capturing)
     fold = counters is not None
     # what a repeated call replaces besides x: mma.py's output, the tl kernel's output or partial sums
     target = out if config.mma or split_k == 1 else partials
     device = x2d.device.index
     key = None
     if (not INTERPRET and fastpath.ENABLED and not fastpath.launch_hooks_active()
-            and torch._C._cuda_getDevice() == device and not torch.cuda.is_current_stream_capturing()):
+            and torch._C._cuda_getDevice() == device and not capturing):
         key = (device, x2d.dtype, m, n, k, x2d.stride(0), x2d.data_ptr() % 16, out.data_ptr() % 16, packed.data_ptr(),
                absmax.data_ptr(), code.data_ptr(), absmax2.data_ptr(), code2.data_ptr(), offset.data_ptr(),
                None if bias is None else bias.data_ptr(), blocksize, blocksize2, nested, fp4, config, use_asm,

@@ -8,8 +8,8 @@ shared memory for the weight and no exchange between threads (the layouts' conve
 asserted trivial at compile time). x's tile, which every warp needs whole, is read once a program
 into shared memory, coalesced, and read back in the fragments' order; or, from one to four rows
 (``STAGE_X`` off), each warp reads its fragments from global memory itself, the padding rows past
-M never read: fewer L1 wavefronts, where shuffles and x's reads are most of them. Thread ``t`` of a row quad
-holds physical columns ``8 W t .. 8 W t + 8 W - 1`` of a chunk; column ``8 W t + 4 s + 2 p + q``
+M never read: fewer L1 wavefronts, where shuffles and x's reads are most of them. Thread ``t`` of a
+row quad holds physical columns ``8 W t .. 8 W t + 8 W - 1`` of a chunk; column ``8 W t + 4 s + 2 p + q``
 sits in k-step ``s`` at logical column ``16 s + 8 p + 2 t + q``, which is where mma.sync expects
 A[g][2t + q] (p = 0) and A[g][2t + 8 + q] (p = 1), and B likewise.
 
@@ -205,13 +205,12 @@ if AVAILABLE:
             x_row = gl.expand_dims(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_GLOBAL)), 1)
             x_ptrs = (x_ptr + x_row * stride_xm
                       + gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, X_GLOBAL)), 0))
-            x_mask = x_row < M
             x_tile = gl.allocate_shared_memory(X_DTYPE, [BLOCK_M, BLOCK_K], X_SHARED)
         else:  # each warp reads its fragments itself, a thread's 8 WORDS columns of a chunk at once; rows past M unread
             x_row = pid_m * BLOCK_M + _along(BLOCK_M, 0, X_LAYOUT)
             x_ptrs = (x_ptr + x_row * stride_xm + _along(CHUNKS, 1, X_LAYOUT) * (32 * WORDS)
                       + _along(4, 2, X_LAYOUT) * (8 * WORDS) + _along(WORDS, 3, X_LAYOUT) * 8 + _along(8, 4, X_LAYOUT))
-            x_mask = x_row < M
+        x_mask = x_row < M
 
         if NESTED:
             offset = gl.load(offset_ptr)
