@@ -337,6 +337,7 @@ def test_gpu_folded_split_k_sum_owns_its_scratch():
     bias = torch.randn(4096, device="cuda", dtype=dtype)
     xs = [torch.randn(rows, 2048, device="cuda", dtype=dtype) for rows in (1, 3, 8, 8)]
     expected = [launch(x, packed, state, config._replace(fold=False), bias) for x in xs]
+    torch.cuda.synchronize()  # x and the expected results written before the other streams read them
     streams = [torch.cuda.Stream() for _ in range(2)]
     for _ in range(20):
         outs = []
