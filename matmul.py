@@ -10,9 +10,10 @@ Two shapes of program, both over bitsandbytes' layout as it is (no repack):
   transposed, so a few rows of ``x`` only pad the narrow side of the product;
 - FMA: one row of ``x`` per program, each decoded weight multiplied into fp32 accumulators that
   are reduced along K at the end.
-- MMA (``mma.py``, Gluon): the weight decoded straight into ``mma.sync``'s register fragments, the
-  code values by warp shuffle, only x's tile through shared memory. The fastest wherever Gluon runs
-  (Triton 3.6 on, sm_80 on, fp16 and bf16) from 1 to 64 rows; the two ``tl`` shapes serve the rest.
+- MMA (``mma.py``, Gluon): the weight decoded straight into ``mma.sync``'s register fragments (on
+  sm_90 from 32 rows, ``wgmma``'s register operand), the code values by warp shuffle, only x's tile
+  through shared memory. The fastest wherever Gluon runs (Triton 3.6 on, sm_80 on, fp16 and bf16),
+  on the H100 from 1 to 256 rows; the two ``tl`` shapes serve the rest.
 Where N alone does not fill the GPU, ``SPLIT_K`` programs share a row of outputs: each writes its
 fp32 partial sums and a second small kernel adds them in a fixed order (deterministic), adds the
 bias and casts; or (``fold``, mma.py) the last program of a tile to store, counted by an atomic,
@@ -290,6 +291,8 @@ class MatmulConfig(typing.NamedTuple):
     words: int = 2  # mma.py: words of a weight row a thread loads at once, 2 or 4 (block_k a multiple of 32 words)
     stage_x: bool = True  # mma.py: x's tile through shared memory, else each warp reads its fragments (rows past M unread)
     fold: bool = False  # mma.py with split_k > 1: the tile's last program adds the partial sums (no second kernel)
+    wgmma: bool = False  # mma.py on sm_90: warp-group MMA over x's tile in shared memory (num_warps a multiple of 4)
+    prefetch: bool = False  # mma.py: each step's loads issued during the step before
 
 
 class Route(typing.NamedTuple):
@@ -342,6 +345,8 @@ TL_ROUTES.update({capability: TL_DEFAULT_ROUTES for capability in ((7, 5), (8, 0
 # 3.6.0, CUDA-graph GPU time per call), us for bitsandbytes / dequantize + cuBLAS / the tl kernel's
 # route (NOTES.md item 77) / mma.py's with x staged in shared memory (items 78, 80; one round each):
 _MMA_TILE = C(8, 64, 256, 8, True, 4, mma=True)._replace  # the 8-row tile, varied below
+# sm_90's warp-group MMA from 32 rows, loads a step ahead (item 82): 4 warps, 64 weight rows by 128 columns, split 4
+_WGMMA_TILE = C(128, 64, 128, 4, True, 4, mma=True, wgmma=True, prefetch=True)._replace
 MATMUL_ROUTES = {
     (9, 0): (
         # 1 to 4 rows, each warp reading its x fragments (item 81), against x staged: 20.6 / 21.0 / 22.6 against 23.6 /
@@ -370,26 +375,39 @@ MATMUL_ROUTES = {
         Route(16, "fused", _MMA_TILE(block_m=16, split_k=4, words=4), min_weight=56 * _M, min_out=14336),
         Route(16, "fused", _MMA_TILE(block_m=16, fold=True), min_weight=56 * _M),  # folded 28.4 against 29.2
         Route(16, "fused", _MMA_TILE(block_m=16, words=4)),
-        # 69.4 / 98.8 / - / 36.2 at 4096x14336, M=32; 125.2 / 100.3 / - / 34.7 at 14336x4096; 35.9 / 24.8 / - /
-        # 15.0 at 4096x4096; 18.0 / 11.6 / - / 10.0 at 4096x1024
-        Route(32, "fused", _MMA_TILE(block_m=32, split_k=4), min_weight=56 * _M, min_out=14336),
+        # 32 rows: 69.4 / 98.8 / - / 36.2 at 4096x14336; 125.2 / 100.3 / - / 34.7 at 14336x4096; 35.9 / 24.8 / - /
+        # 15.0 at 4096x4096; 18.0 / 11.6 / - / 10.0 at 4096x1024. wgmma (item 82): 34.0 at 4096x14336 (38.0 at
+        # 14336x4096); loads a step ahead: 9.8 against 10.5 at 4096x1024
+        Route(32, "fused", _WGMMA_TILE(block_m=32, block_k=64), min_weight=56 * _M, min_out=14336),
         Route(32, "fused", _MMA_TILE(block_m=32, block_n=128, block_k=64, split_k=16), min_weight=56 * _M),
         Route(32, "fused", _MMA_TILE(block_m=32, split_k=4), min_weight=16 * _M),
-        Route(32, "fused", _MMA_TILE(block_m=32, block_n=128, block_k=64, split_k=16)),
-        # 122.5 / 99.0 / 60.9 / 50.6 at 4096x14336, M=64; 126.0 / 101.7 / 81.6 / 59.5 at 14336x4096; below 56M
-        # weights the tiles of item 77's sweep: 36.6 / 24.7 / - / 19.8 at 4096x4096, 18.4 / 12.5 / - / 12.4 at
-        # 4096x1024 with x read by every warp
-        Route(64, "fused", _MMA_TILE(block_m=64, block_n=128, block_k=128, split_k=2), min_weight=56 * _M, min_out=14336),
-        Route(64, "fused", _MMA_TILE(block_m=64, block_k=128, split_k=4), min_weight=56 * _M),
-        Route(64, "fused", _MMA_TILE(block_m=64, block_n=128, block_k=64), min_weight=16 * _M),
-        Route(64, "fused", _MMA_TILE(block_m=64, block_k=64)),
-        # 128 rows (item 80, one round): 124.5 / 100.2 / 66.2 / 75.6 at 4096x14336 (the tl kernel's wgmma tile
-        # first), 130.5 / 106.6 / 92.8 / 81.5 at 14336x4096; at 28672x8192 the tl tile's 238.1 (item 70's table)
-        # against mma.py's 302.6; dequantize + cuBLAS beyond, and below 56M weights (28.0 / 27.1 / 27.1 at
-        # 4096x4096, 13.0 / 26.6 / 19.3 at 4096x1024)
-        Route(128, "fused", _TL_128_WIDE, min_weight=56 * _M, min_out=14336),
-        Route(128, "fused", _TL_128, min_weight=128 * _M),
-        Route(128, "fused", _MMA_TILE(block_m=128, block_k=128, split_k=4), min_weight=56 * _M),
+        Route(32, "fused", _MMA_TILE(block_m=32, block_n=128, block_k=64, split_k=16, prefetch=True)),
+        # 64 rows: 122.5 / 99.0 / 60.9 / 50.6 at 4096x14336, 126.0 / 101.7 / 81.6 / 59.5 at 14336x4096, 36.6 / 24.7
+        # / - / 19.8 at 4096x4096 and 18.4 / 12.5 / - / 12.4 at 4096x1024 with mma.sync; wgmma 42.2 / 44.6 / 17.4,
+        # 145 at 28672x8192 (bitsandbytes 465, dequantize + cuBLAS 383); mma.sync loading a step ahead 10.7 at
+        # 4096x1024
+        Route(64, "fused", _WGMMA_TILE(block_m=64, block_n=128, split_k=2, num_warps=8, prefetch=False),
+              min_weight=56 * _M, min_out=14336),
+        Route(64, "fused", _WGMMA_TILE(block_m=64), min_weight=128 * _M),
+        Route(64, "fused", _WGMMA_TILE(block_m=64, block_k=64, split_k=8), min_weight=56 * _M),
+        Route(64, "fused", _WGMMA_TILE(block_m=64), min_weight=16 * _M),
+        Route(64, "fused", _MMA_TILE(block_m=64, block_k=64, prefetch=True)),
+        # 128 rows: 124.1 / 100.1 / 66.1 (the tl kernel's wgmma tile) / 60.5 (wgmma) at 4096x14336, 130.7 / 105.8 /
+        # 81.5 (mma.sync) / 58.0 at 14336x4096, 39.3 / 28.2 / - / 21.2 at 4096x4096, 18.9 / 13.0 / - / 11.9 at
+        # 4096x1024; 463.5 / 385.5 / 238.1 / 218.4 at 8192x28672, 472.6 / 392.1 / - / 208.7 at 28672x8192
+        Route(128, "fused", _WGMMA_TILE(block_m=128, block_n=128, block_k=64, split_k=2, num_warps=8),
+              min_weight=56 * _M, min_out=14336),
+        Route(128, "fused", _WGMMA_TILE(block_m=128, split_k=2), min_weight=128 * _M),
+        Route(128, "fused", _WGMMA_TILE(block_m=128), min_weight=16 * _M),
+        Route(128, "fused", _WGMMA_TILE(block_m=128, split_k=8)),
+        # 256 rows: 130.4 / 106.2 / 97.6 at 4096x14336, 137.2 / 112.3 / 108.5 at 14336x4096, 481.0 / 404.1 / 387.5
+        # at 8192x28672, 473.9 / 396.3 / 337.6 at 28672x8192; below 56M weights and beyond 256 rows dequantize +
+        # cuBLAS (31.4 against wgmma's 35.6 at 4096x4096; 138.5 against 195.9 at 512 rows of 4096x14336)
+        Route(256, "fused", _WGMMA_TILE(block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8),
+              min_weight=56 * _M, min_out=14336),
+        Route(256, "fused", _WGMMA_TILE(block_m=128, block_n=128, block_k=64, split_k=2, num_warps=8),
+              min_weight=128 * _M),
+        Route(256, "fused", _WGMMA_TILE(block_m=128, split_k=2), min_weight=56 * _M),
     ),
 }
 # Reasoned, not measured (no A100 or L4 has run it): mma.py's 16-row tile up to 16 rows, where it
@@ -555,8 +573,8 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
         kernel_fn = mma.nf4_mma_kernel
         args = head + (out if partials is None else partials, out if counters is None else counters, m, n, k,
                        x2d.stride(0))
-        options.update(FOLD=fold, STAGE_X=config.stage_x, **mma.layout_constexprs(
-            config.num_warps, config.block_n, config.block_k, config.block_m, config.words))
+        options.update(FOLD=fold, STAGE_X=config.stage_x, PREFETCH=config.prefetch, **mma.layout_constexprs(
+            config.num_warps, config.block_n, config.block_k, config.block_m, config.words, config.wgmma))
     else:
         kernel_fn = nf4_matmul_kernel
         args = head + (m, n, k, x2d.stride(0))
@@ -578,11 +596,12 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
 
 
 def mma_supported(x2d, k, blocksize, config):
-    """Whether mma.py's kernel runs this call: on x's GPU (``mma_runs_on``), fp16 or bf16 x, K whole
-    tiles, each thread's columns of a chunk within one block."""
+    """Whether mma.py's kernel runs this call: on x's GPU (``mma_runs_on``; wgmma on sm_90 alone), fp16
+    or bf16 x, K whole tiles, each thread's columns of a chunk within one block."""
+    capability = device_facts(x2d.device)[0]
     return (x2d.dtype is not torch.float32 and k % config.block_k == 0
             and blocksize >= 8 * config.words
-            and mma_runs_on(device_facts(x2d.device)[0]))
+            and mma_runs_on(capability) and (not config.wgmma or tuple(capability)[0] == 9))
 
 
 # --------------------------------------------------------------------------------------------
@@ -717,7 +736,8 @@ def _config_of(values):
     """A MatmulConfig from the operator's list of ints (``dot`` and ``mma`` travel as 0 or 1)."""
     config = MatmulConfig._make(values)
     return config._replace(dot=bool(config.dot), mma=bool(config.mma), stage_x=bool(config.stage_x),
-                           fold=bool(config.fold))
+                           fold=bool(config.fold), wgmma=bool(config.wgmma),
+                           prefetch=bool(config.prefetch))
 
 
 def _linear_op_fake(x, packed, absmax, code, absmax2, code2, offset, bias, out_features, blocksize, blocksize2,

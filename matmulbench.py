@@ -112,9 +112,24 @@ MMA_TILES = {
 }
 
 
+# mma.py's wgmma tiles (sm_90, each step's loads a step ahead; NOTES.md item 82): (num_warps, block_n, block_k,
+# split_k) per block_m
+WGMMA_TILES = {
+    32: [(4, 64, 64, 4), (8, 128, 64, 2), (4, 64, 128, 4), (4, 64, 64, 8)],
+    64: [(8, 128, 128, 2), (8, 128, 64, 2), (4, 64, 128, 4), (4, 64, 64, 4), (4, 64, 64, 8)],
+    128: [(4, 64, 128, 4), (8, 128, 64, 2), (4, 64, 128, 2), (8, 128, 128, 2), (4, 64, 64, 4), (4, 64, 128, 8),
+          (8, 128, 64, 1), (4, 64, 128, 1)],
+}
+
+
 def _mma(block_m, tiles):
     return [C(block_m, bn, bk, sk, True, warps, mma=True, words=words) for warps, bn, bk, sk, words in
             (tile + (2,) * (5 - len(tile)) for tile in tiles)]
+
+
+def _wgmma(block_m):
+    return [C(block_m, bn, bk, sk, True, warps, mma=True, wgmma=True, prefetch=True)
+            for warps, bn, bk, sk in WGMMA_TILES[block_m]]
 
 
 CANDIDATES = {
@@ -122,13 +137,13 @@ CANDIDATES = {
     16: [C(16, bn, bk, sk, True, 4, st, lookup) for bn, bk, sk, st, lookup in (
         (64, 256, 4, 2, 2), (64, 512, 4, 2, 2), (64, 128, 4, 2, 2), (32, 256, 4, 2, 2), (32, 256, 4, 2, 1),
         (64, 256, 1, 3, 2), (64, 128, 4, 2, 1))] + _mma(16, MMA_TILES[8]),
-    32: _mma(32, MMA_TILES[32]),
+    32: _mma(32, MMA_TILES[32]) + _wgmma(32),
     64: [C(64, bn, bk, sk, True, w, 3, lookup) for bn, bk, sk, w, lookup in (
         (64, 128, 1, 4, 2), (128, 128, 2, 4, 2), (64, 128, 2, 4, 2), (64, 64, 2, 8, 2), (64, 128, 1, 4, 1),
-        (64, 128, 2, 4, 1))] + _mma(64, MMA_TILES[64]),
+        (64, 128, 2, 4, 1))] + _mma(64, MMA_TILES[64]) + _wgmma(64),
     256: [C(bm, bn, bk, sk, True, w, 3, 2) for bm, bn, bk, sk, w in (
         (128, 64, 128, 1, 4), (128, 64, 128, 2, 4), (128, 128, 128, 1, 8), (128, 128, 64, 2, 4), (64, 128, 128, 2, 4))]
-    + _mma(128, MMA_TILES[128]) + _mma(64, MMA_TILES[64][:2]),
+    + _mma(128, MMA_TILES[128]) + _mma(64, MMA_TILES[64][:2]) + _wgmma(128),
 }
 
 

@@ -19,7 +19,14 @@ the index of its nibble ``j`` without a mask. Then kernel.py's arithmetic: the f
 ``code * scale`` (``mul.rn.ftz``) rounded once to x's dtype (one ``cvt`` for two weights). Each
 weight is bit for bit ``dequantize_nf4``'s; only the order of the fp32 sums differs.
 
-Needs Gluon's ``mma_v2`` and linear layouts (Triton 3.6 on), sm_80 on, fp16 or bf16 x, K a
+On sm_90 (``WGMMA``) the same fragments are the register operand of ``wgmma``, and x's tile,
+stored once a step in the permuted K order to the 128-byte swizzle ``wgmma`` reads, its shared
+operand: a warp group multiplies its 64 weight rows by up to 256 rows of x in one instruction,
+where from 32 rows mma.sync's rate and x's fragment reads bound the product. ``PREFETCH`` issues a
+step's loads during the step before (after x's store and its proxy fence, which waits for every
+load a thread has in flight).
+
+Needs Gluon's ``mma_v2`` and linear layouts (Triton 3.6 on), sm_80 on (``WGMMA``: sm_90), fp16 or bf16 x, K a
 multiple of the tile's columns and blocks of at least a thread's 8 W columns; ``matmul.py``
 routes the rest to its ``tl`` kernel.
 """
@@ -30,6 +37,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
     AVAILABLE = hasattr(gl, "DistributedLinearLayout")
     _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # its name before Triton 3.7
@@ -50,10 +58,12 @@ def _log2(value):
 
 
 @functools.lru_cache(maxsize=None)
-def layouts(num_warps, block_n, block_k, block_m, words):
+def layouts(num_warps, block_n, block_k, block_m, words, wgmma=False):
     """(weight layout, x layout, mma layout) of a tile. The weight's codes are indexed
     [BLOCK_N, chunk, t, word, code]: 8 codes of a word, ``words`` words (2 or 4), 4 threads of a
-    quad, BLOCK_K / (32 words) chunks; x the same with rows of x for rows of the weight."""
+    quad, BLOCK_K / (32 words) chunks; x the same with rows of x for rows of the weight. ``wgmma``:
+    the accumulator of sm_90's warp-group MMA (warp w holds weight rows 16 w .. 16 w + 15 of each
+    64 x num_warps / 4, as mma.sync's)."""
     reps = block_n // (16 * num_warps)
     chunks = block_k // (32 * words)
     weight = gl.DistributedLinearLayout(
@@ -70,16 +80,34 @@ def layouts(num_warps, block_n, block_k, block_m, words):
         warp_bases=[[0] * 5] * _log2(num_warps),  # every warp holds all of x's tile
         block_bases=[],
         shape=[block_m, chunks, 4, words, 8])
-    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+    if wgmma:
+        mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16])
+    else:
+        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
     return weight, x, mma
 
 
 @functools.lru_cache(maxsize=None)
-def x_staging(num_warps, block_k, block_m, words):
+def x_staging(num_warps, block_k, block_m, words, wgmma=False):
     """(global layout, shared layout, read layout) of x's tile [BLOCK_M, BLOCK_K] on its way through
     shared memory: read from global in 16-byte vectors with lanes along K; 16-byte vectors swizzled by
     row so that a warp's reads (a quad's 4 threads, 8 rows) take 4 wavefronts; read back as
-    ``layouts(...)[1]`` over [BLOCK_M, BLOCK_K]."""
+    ``layouts(...)[1]`` over [BLOCK_M, BLOCK_K]. ``wgmma``: read as [BLOCK_M, chunk, t, word, code]
+    (a row's 32 words contiguous over a warp's lanes, the rest of its lanes over adjacent rows),
+    stored in the mma's K order to wgmma's 128-byte swizzle, where adjacent rows' phases put the
+    4-byte pairs of one store in distinct banks; wgmma reads it itself (no read layout)."""
+    if wgmma:
+        lane_rows = 3 - _log2(words)
+        reg_rows = _log2(block_m) - lane_rows - _log2(num_warps)
+        assert reg_rows >= 0, f"{block_m} rows of x is fewer than a row per {8 // words} lanes of {num_warps} warps"
+        load = gl.DistributedLinearLayout(
+            reg_bases=_bases(4, 5, 3) + _bases(1, 5, _log2(block_k // (32 * words))) + _bases(0, 5, reg_rows, 1 << lane_rows),
+            lane_bases=_bases(3, 5, _log2(words)) + _bases(2, 5, 2) + _bases(0, 5, lane_rows),
+            warp_bases=_bases(0, 5, _log2(num_warps), 1 << (reg_rows + lane_rows)),
+            block_bases=[],
+            shape=[block_m, block_k // (32 * words), 4, words, 8])
+        shared = gl.NVMMASharedLayout(swizzle_byte_width=128 if block_k >= 64 else 2 * block_k, element_bitwidth=16)
+        return load, shared, load
     lanes_k = min(32, block_k // 8)
     coalesced = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // lanes_k, lanes_k],
                                  warps_per_cta=[num_warps, 1], order=[1, 0])
@@ -94,11 +122,11 @@ def x_staging(num_warps, block_k, block_m, words):
     return coalesced, shared, fragments
 
 
-def layout_constexprs(num_warps, block_n, block_k, block_m, words):
-    """The kernel's layout arguments for one tile: WORDS, ``layouts`` and ``x_staging`` by their names."""
-    return dict(zip(("WORDS", "W_LAYOUT", "X_LAYOUT", "MMA", "X_GLOBAL", "X_SHARED", "X_FRAGMENTS"),
-                    (words,) + layouts(num_warps, block_n, block_k, block_m, words)
-                    + x_staging(num_warps, block_k, block_m, words)))
+def layout_constexprs(num_warps, block_n, block_k, block_m, words, wgmma=False):
+    """The kernel's layout arguments for one tile: WORDS, WGMMA, ``layouts`` and ``x_staging`` by their names."""
+    return dict(zip(("WORDS", "WGMMA", "W_LAYOUT", "X_LAYOUT", "MMA", "X_GLOBAL", "X_SHARED", "X_FRAGMENTS"),
+                    (words, wgmma) + layouts(num_warps, block_n, block_k, block_m, words, wgmma)
+                    + x_staging(num_warps, block_k, block_m, words, wgmma)))
 
 
 if AVAILABLE:
@@ -129,6 +157,20 @@ if AVAILABLE:
         return gl.reshape(values, [ROWS, BLOCK_K])
 
     @gluon.jit
+    def _step_loads(word_ptrs, block, row_block, absmax_ptr, absmax2_ptr, k0, BLOCKSIZE: gl.constexpr,
+                    BLOCKSIZE2: gl.constexpr, NESTED: gl.constexpr, BLOCK_K: gl.constexpr):
+        """A step's weight loads: (words, absmax, absmax2 where NESTED, else absmax again)."""
+        step_block = block + k0 // BLOCKSIZE
+        absmax = gl.load(absmax_ptr + step_block)
+        absmax2 = absmax
+        if NESTED:
+            if BLOCK_K <= BLOCKSIZE * BLOCKSIZE2:  # a row's blocks of a step share one absmax2
+                absmax2 = gl.load(absmax2_ptr + (row_block + k0 // BLOCKSIZE) // BLOCKSIZE2)
+            else:
+                absmax2 = gl.load(absmax2_ptr + step_block // BLOCKSIZE2)
+        return gl.load(word_ptrs + k0 // 8), absmax, absmax2
+
+    @gluon.jit
     def nf4_mma_kernel(
         # inputs
         x_ptr,  # [M, K] fp16 or bf16 activations (row stride stride_xm, unit column stride)
@@ -156,7 +198,7 @@ if AVAILABLE:
         X_DTYPE: gl.constexpr,  # gl.float16 or gl.bfloat16: activations, decoded weight and output
         # implementation
         BLOCK_M: gl.constexpr,  # rows of x per program (a multiple of 8)
-        BLOCK_N: gl.constexpr,  # weight rows per program (16 * num_warps * repeats)
+        BLOCK_N: gl.constexpr,  # weight rows per program (16 * num_warps * repeats; num_warps a multiple of 4 with WGMMA)
         BLOCK_K: gl.constexpr,  # columns per step (a multiple of 32 * WORDS)
         SPLIT_K: gl.constexpr,  # programs sharing one output tile along K (fp32 partials when > 1)
         STEPS_PER_SPLIT: gl.constexpr,  # BLOCK_K steps per program
@@ -165,10 +207,12 @@ if AVAILABLE:
         USE_INT64: gl.constexpr,  # 64-bit offsets into the weight
         WORDS: gl.constexpr,  # words of a row each thread holds a chunk: 2 (64-column chunks) or 4 (128)
         STAGE_X: gl.constexpr,  # x's tile through shared memory, else each warp's fragments from global memory
+        WGMMA: gl.constexpr,  # sm_90's warp-group MMA, x's tile its shared operand (STAGE_X unused)
+        PREFETCH: gl.constexpr,  # a step's loads issued during the step before
         W_LAYOUT: gl.constexpr,  # layouts(...)[0]
         X_LAYOUT: gl.constexpr,  # layouts(...)[1]
         MMA: gl.constexpr,  # layouts(...)[2]
-        X_GLOBAL: gl.constexpr,  # x_staging(...)[0]
+        X_GLOBAL: gl.constexpr,  # x_staging(...)[0]: x's loads, where staged
         X_SHARED: gl.constexpr,  # x_staging(...)[1]
         X_FRAGMENTS: gl.constexpr,  # x_staging(...)[2]
     ):
@@ -201,7 +245,12 @@ if AVAILABLE:
         if FP4:  # bitsandbytes forms an FP4 value as sign * magnitude: code 8 is -0.0
             entry = (entry.to(gl.uint32, bitcast=True) | ((lane >> 3).to(gl.uint32) << 31)).to(gl.float32, bitcast=True)
 
-        if STAGE_X:  # x's tile through shared memory: read once a program, coalesced
+        if WGMMA:  # x's tile in shared memory in the mma's K order, wgmma's operand: 16-byte loads, rows past M zero
+            x_row = pid_m * BLOCK_M + _along(BLOCK_M, 0, X_GLOBAL)
+            x_ptrs = (x_ptr + x_row * stride_xm + _along(CHUNKS, 1, X_GLOBAL) * (32 * WORDS)
+                      + _along(4, 2, X_GLOBAL) * (8 * WORDS) + _along(WORDS, 3, X_GLOBAL) * 8 + _along(8, 4, X_GLOBAL))
+            x_tile = gl.allocate_shared_memory(X_DTYPE, [BLOCK_M, BLOCK_K], X_SHARED)
+        elif STAGE_X:  # x's tile through shared memory: read once a program, coalesced
             x_row = gl.expand_dims(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_GLOBAL)), 1)
             x_ptrs = (x_ptr + x_row * stride_xm
                       + gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, X_GLOBAL)), 0))
@@ -215,22 +264,35 @@ if AVAILABLE:
         if NESTED:
             offset = gl.load(offset_ptr)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+        if PREFETCH:  # a step's loads issued a step ahead, carried in registers
+            words, absmax, absmax2 = _step_loads(word_ptrs, block, row_block, absmax_ptr, absmax2_ptr, first * BLOCK_K,
+                                                 BLOCKSIZE, BLOCKSIZE2, NESTED, BLOCK_K)
+            x = gl.load(x_ptrs + first * BLOCK_K, mask=x_mask, other=0.0)
         for step in range(STEPS_PER_SPLIT):
             k0 = (first + step) * BLOCK_K
-            words = gl.load(word_ptrs + k0 // 8)
-            step_block = block + k0 // BLOCKSIZE
-            if NESTED:  # kernel.py's absmax decode: code2[absmax] * absmax2 (ftz), + offset
-                if BLOCK_K <= BLOCKSIZE * BLOCKSIZE2:  # a row's blocks of a step share one absmax2
-                    step_absmax2 = (row_block + k0 // BLOCKSIZE) // BLOCKSIZE2
-                else:
-                    step_absmax2 = step_block // BLOCKSIZE2
-                absmax_code = gl.load(code2_ptr + gl.load(absmax_ptr + step_block).to(gl.int32))
+            if not PREFETCH:
+                words, absmax, absmax2 = _step_loads(word_ptrs, block, row_block, absmax_ptr, absmax2_ptr, k0,
+                                                     BLOCKSIZE, BLOCKSIZE2, NESTED, BLOCK_K)
+                if WGMMA:
+                    x = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
+            if WGMMA:  # x's tile stored before the next step's loads: the proxy fence waits for the thread's loads
+                _barrier()  # every warp group's wgmma of the last step has read the tile
+                x_tile.store(_mma_order(x, BLOCK_M, BLOCK_K, WORDS))
+                fence_async_shared()  # the stores visible to wgmma's reads
+                _barrier()
+            if PREFETCH:  # the last step loads itself again: in bounds, unused
+                k_next = (first + gl.minimum(step + 1, STEPS_PER_SPLIT - 1)) * BLOCK_K
+                next_words, next_absmax, next_absmax2 = _step_loads(word_ptrs, block, row_block, absmax_ptr,
+                                                                    absmax2_ptr, k_next, BLOCKSIZE, BLOCKSIZE2,
+                                                                    NESTED, BLOCK_K)
+                next_x = gl.load(x_ptrs + k_next, mask=x_mask, other=0.0)
+            if NESTED:  # kernel.py's absmax decode: code2[absmax] * absmax2 (ftz), + offset; code2 stays in L1
                 scale = gl.inline_asm_elementwise(
                     "{.reg .f32 t; mul.rn.ftz.f32 t, $1, $2; add.rn.f32 $0, t, $3;}", "=r,r,r,r",
-                    [absmax_code, gl.load(absmax2_ptr + step_absmax2), offset], dtype=gl.float32,
-                    is_pure=True, pack=1)
+                    [gl.load(code2_ptr + absmax.to(gl.int32)), absmax2, offset], dtype=gl.float32, is_pure=True,
+                    pack=1)
             else:
-                scale = gl.load(absmax_ptr + step_block)
+                scale = absmax
             codes = words >> shifts  # the shuffle reads bits 4:0: nibble j, and a bit of the next
             if X_DTYPE == gl.bfloat16:
                 weights = gl.inline_asm_elementwise(
@@ -244,16 +306,22 @@ if AVAILABLE:
                     "=r,r,r,r,r,r,r", [codes, entry, scale], dtype=gl.float16, is_pure=True, pack=2)
             a = gl.convert_layout(_mma_order(weights, BLOCK_N, BLOCK_K, WORDS), gl.DotOperandLayout(0, MMA, 2),
                                   assert_trivial=True)
-            x = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
-            if STAGE_X:
-                _barrier()  # every warp has read the last step's tile
-                x_tile.store(x)
-                _barrier()
-                x = gl.convert_layout(gl.reshape(x_tile.load(X_FRAGMENTS), [BLOCK_M, CHUNKS, 4, WORDS, 8]), X_LAYOUT,
-                                      assert_trivial=True)
-            b = gl.convert_layout(gl.permute(_mma_order(x, BLOCK_M, BLOCK_K, WORDS), [1, 0]), gl.DotOperandLayout(1, MMA, 2),
-                                  assert_trivial=True)
-            acc = mma_v2(a, b, acc)
+            if WGMMA:
+                acc = warpgroup_mma(a, x_tile.permute((1, 0)), acc)
+            else:
+                if not PREFETCH:
+                    x = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
+                if STAGE_X:
+                    _barrier()  # every warp has read the last step's tile
+                    x_tile.store(x)
+                    _barrier()
+                    x = gl.convert_layout(gl.reshape(x_tile.load(X_FRAGMENTS), [BLOCK_M, CHUNKS, 4, WORDS, 8]),
+                                          X_LAYOUT, assert_trivial=True)
+                b = gl.convert_layout(gl.permute(_mma_order(x, BLOCK_M, BLOCK_K, WORDS), [1, 0]),
+                                      gl.DotOperandLayout(1, MMA, 2), assert_trivial=True)
+                acc = mma_v2(a, b, acc)
+            if PREFETCH:
+                words, absmax, absmax2, x = next_words, next_absmax, next_absmax2, next_x
 
         n = gl.expand_dims(pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA)), 1)
         m = gl.expand_dims(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA)), 0)

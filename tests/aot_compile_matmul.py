@@ -55,9 +55,9 @@ def compile_variant(capability, x_dtype, config):
 
         fn, make_source = mma.nf4_mma_kernel, GluonASTSource
         signature.update(out_ptr=f"*{name}", partial_ptr="*fp32", counter_ptr="*i32")
-        constexprs.update(STAGE_X=config.stage_x, FOLD=config.fold and config.split_k > 1)
+        constexprs.update(STAGE_X=config.stage_x, FOLD=config.fold and config.split_k > 1, PREFETCH=config.prefetch)
         constexprs.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m,
-                                                config.words))
+                                                config.words, config.wgmma))
     else:
         fn, make_source = matmul.nf4_matmul_kernel, triton.compiler.ASTSource
         constexprs.update(DOT=config.dot, USE_ASM=True, BF16_VIA_INT=capability < (8, 0), EVEN=True,

@@ -190,6 +190,7 @@ def test_routes_are_well_formed():
             if config.mma:
                 assert config.block_m % 8 == 0 and config.words in (2, 4) and config.block_k % (32 * config.words) == 0
                 assert config.block_n % (16 * config.num_warps) == 0
+                assert not config.wgmma or (config.num_warps % 4 == 0 and config.block_m <= 256)
             else:
                 assert config.block_m >= 16 if config.dot else config.block_m == 1
             assert config.block_k % 8 == 0 and config.split_k >= 1
@@ -197,19 +198,23 @@ def test_routes_are_well_formed():
     for routes in matmul.TL_ROUTES.values():  # the table for where mma.py's kernel cannot run
         assert not any(route.config is not None and route.config.mma for route in routes)
     assert not any(route.config is not None and route.config.mma for route in matmul.MATMUL_ROUTES[(7, 5)])
+    for capability, routes in matmul.MATMUL_ROUTES.items():  # wgmma is sm_90's alone
+        assert capability == (9, 0) or not any(route.config is not None and route.config.wgmma for route in routes)
     # the H100's tables at the measured points (matmulbench.py --sweep)
     route = matmul.choose_route
     assert route((9, 0), 1, 4096, 14336).config.mma and route((9, 0), 1, 4096, 4096).path == "bitsandbytes"
     assert route((9, 0), 8, 4096, 1024).config.mma and route((9, 0), 64, 4096, 4096).config.mma
-    assert route((9, 0), 32, 4096, 14336).config.block_k == 256 and route((9, 0), 32, 14336, 4096).config.block_k == 64
+    assert route((9, 0), 32, 4096, 14336).config.wgmma and not route((9, 0), 32, 14336, 4096).config.wgmma
     assert route((9, 0), 8, 4096, 14336).config.words == 4 and route((9, 0), 32, 4096, 14336).config.words == 2
     assert not route((9, 0), 4, 4096, 14336).config.stage_x and route((9, 0), 8, 4096, 14336).config.stage_x
     assert not route((9, 0), 2, 28672, 8192).config.stage_x and route((9, 0), 4, 28672, 8192).config.stage_x
     assert route((9, 0), 8, 4096, 4096).config.fold and not route((9, 0), 8, 4096, 14336).config.fold
     assert route((9, 0), 1, 14336, 4096).config.fold and not route((9, 0), 1, 28672, 8192).config.fold
-    assert not route((9, 0), 128, 4096, 14336).config.mma and route((9, 0), 128, 4096, 4096).path == "dequantize"
-    assert route((9, 0), 128, 14336, 4096).config.mma and not route((9, 0), 128, 28672, 8192).config.mma
-    assert route((9, 0), 256, 14336, 4096).path == "dequantize"
+    assert route((9, 0), 64, 4096, 14336).config.wgmma and not route((9, 0), 64, 4096, 1024).config.wgmma
+    assert all(route((9, 0), 128, *shape).config.wgmma for shape in ((4096, 14336), (14336, 4096), (4096, 4096),
+                                                                   (4096, 1024), (8192, 28672), (28672, 8192)))
+    assert route((9, 0), 256, 14336, 4096).config.wgmma and route((9, 0), 256, 4096, 4096).path == "dequantize"
+    assert route((9, 0), 512, 4096, 14336).path == "dequantize"
     assert route((9, 0), 1, 4096, 14336, matmul.TL_ROUTES).path == "bitsandbytes"
     assert route((9, 0), 16, 4096, 14336, matmul.TL_ROUTES).config.block_n == 64
     assert route((9, 0), 64, 4096, 4096, matmul.TL_ROUTES).path == "dequantize"
@@ -268,10 +273,12 @@ def test_routes_compile_ahead_of_time(cc):
     assert lines or (cc < 80 and not matmul.SM75_COMPILES), "no fused route compiled"
     for line in lines:
         assert line["asm_mul_ftz"] > 0, line
-        if line["config"][8]:  # mma.py's kernel: mma.sync on fragments decoded in registers, codes by shuffle
-            x_tile_bytes = line["config"][0] * line["config"][2] * 2 if line["config"][10] else 0  # stage_x
+        if line["config"][8]:  # mma.py's kernel: mma.sync or wgmma on fragments decoded in registers, codes by shuffle
+            wgmma = line["config"][12]
+            x_tile_bytes = line["config"][0] * line["config"][2] * 2 if line["config"][10] or wgmma else 0  # staged
             count_bytes = 4 if line["config"][11] else 0  # fold: the tile's count, shared with every thread
-            assert line["mma"] > 0 and line["shfl"] > 0 and line["shared_bytes"] == max(x_tile_bytes, count_bytes), line
+            assert line["wgmma" if wgmma else "mma"] > 0 and line["shfl"] > 0, line
+            assert line["shared_bytes"] == max(x_tile_bytes, count_bytes), line
         elif line["config"][4]:  # a tensor-core tile
             assert cc < 80 or line["wgmma"] + line["mma"] > 0, line
 
@@ -302,7 +309,11 @@ MMA_CONFIGS = [C(8, 64, 64, 1, True, 4, mma=True), C(16, 128, 128, 2, True, 4, m
                C(8, 64, 256, 2, True, 4, mma=True, words=4), C(16, 64, 128, 1, True, 4, mma=True, words=4),
                C(8, 64, 256, 4, True, 4, mma=True, words=4, stage_x=False), C(16, 64, 64, 2, True, 4, mma=True, stage_x=False),
                C(8, 64, 256, 4, True, 4, mma=True, words=4, fold=True),
-               C(8, 64, 128, 2, True, 4, mma=True, words=4, stage_x=False, fold=True)]
+               C(8, 64, 128, 2, True, 4, mma=True, words=4, stage_x=False, fold=True),
+               C(16, 64, 128, 1, True, 4, mma=True, wgmma=True), C(32, 128, 64, 2, True, 8, mma=True, wgmma=True),
+               C(64, 128, 128, 2, True, 4, mma=True, words=4, wgmma=True),
+               C(128, 64, 64, 2, True, 4, mma=True, fold=True, wgmma=True, prefetch=True),
+               C(32, 64, 128, 4, True, 4, mma=True, prefetch=True)]
 
 
 @pytest.mark.gpu
@@ -313,6 +324,8 @@ def test_gpu_mma_weights_bit_exact(config, form):
     non-zero term), so the product equals dequantize_nf4's weight bit for bit, through the
     permuted K order, partial tiles of rows (N = 72, 200) and split-K; random x, with bias, within
     the bound. A weight decoded wrong in one place fails the first check."""
+    if config.wgmma and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma is sm_90's")
     blocksize = int(form.split()[-1]) if "blocksize" in form else 64
     for dtype, out_features in itertools.product((torch.float16, torch.bfloat16), (72, 200)):
         in_features = 2 * config.block_k * config.split_k
