@@ -733,11 +733,10 @@ def _linear_op(
 
 
 def _config_of(values):
-    """A MatmulConfig from the operator's list of ints (``dot`` and ``mma`` travel as 0 or 1)."""
+    """A MatmulConfig from the operator's list of ints (its bool fields travel as 0 or 1)."""
     config = MatmulConfig._make(values)
-    return config._replace(dot=bool(config.dot), mma=bool(config.mma), stage_x=bool(config.stage_x),
-                           fold=bool(config.fold), wgmma=bool(config.wgmma),
-                           prefetch=bool(config.prefetch))
+    return config._replace(**{name: bool(getattr(config, name))
+                              for name, kind in MatmulConfig.__annotations__.items() if kind is bool})
 
 
 def _linear_op_fake(x, packed, absmax, code, absmax2, code2, offset, bias, out_features, blocksize, blocksize2,

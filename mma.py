@@ -157,6 +157,14 @@ if AVAILABLE:
         return gl.reshape(values, [ROWS, BLOCK_K])
 
     @gluon.jit
+    def _chunked_ptrs(x_ptr, first_row, stride_xm, ROWS: gl.constexpr, CHUNKS: gl.constexpr, WORDS: gl.constexpr,
+                      LAYOUT: gl.constexpr):
+        """(row, pointer) of x's [ROWS, chunk, t, word, code] in ``LAYOUT``: thread t's 8 WORDS columns of a chunk."""
+        row = first_row + _along(ROWS, 0, LAYOUT)
+        return row, (x_ptr + row * stride_xm + _along(CHUNKS, 1, LAYOUT) * (32 * WORDS) + _along(4, 2, LAYOUT) * (8 * WORDS)
+                     + _along(WORDS, 3, LAYOUT) * 8 + _along(8, 4, LAYOUT))
+
+    @gluon.jit
     def _step_loads(word_ptrs, block, row_block, absmax_ptr, absmax2_ptr, k0, BLOCKSIZE: gl.constexpr,
                     BLOCKSIZE2: gl.constexpr, NESTED: gl.constexpr, BLOCK_K: gl.constexpr):
         """A step's weight loads: (words, absmax, absmax2 where NESTED, else absmax again)."""
@@ -246,9 +254,7 @@ if AVAILABLE:
             entry = (entry.to(gl.uint32, bitcast=True) | ((lane >> 3).to(gl.uint32) << 31)).to(gl.float32, bitcast=True)
 
         if WGMMA:  # x's tile in shared memory in the mma's K order, wgmma's operand: 16-byte loads, rows past M zero
-            x_row = pid_m * BLOCK_M + _along(BLOCK_M, 0, X_GLOBAL)
-            x_ptrs = (x_ptr + x_row * stride_xm + _along(CHUNKS, 1, X_GLOBAL) * (32 * WORDS)
-                      + _along(4, 2, X_GLOBAL) * (8 * WORDS) + _along(WORDS, 3, X_GLOBAL) * 8 + _along(8, 4, X_GLOBAL))
+            x_row, x_ptrs = _chunked_ptrs(x_ptr, pid_m * BLOCK_M, stride_xm, BLOCK_M, CHUNKS, WORDS, X_GLOBAL)
             x_tile = gl.allocate_shared_memory(X_DTYPE, [BLOCK_M, BLOCK_K], X_SHARED)
         elif STAGE_X:  # x's tile through shared memory: read once a program, coalesced
             x_row = gl.expand_dims(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_GLOBAL)), 1)
@@ -256,9 +262,7 @@ if AVAILABLE:
                       + gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, X_GLOBAL)), 0))
             x_tile = gl.allocate_shared_memory(X_DTYPE, [BLOCK_M, BLOCK_K], X_SHARED)
         else:  # each warp reads its fragments itself, a thread's 8 WORDS columns of a chunk at once; rows past M unread
-            x_row = pid_m * BLOCK_M + _along(BLOCK_M, 0, X_LAYOUT)
-            x_ptrs = (x_ptr + x_row * stride_xm + _along(CHUNKS, 1, X_LAYOUT) * (32 * WORDS)
-                      + _along(4, 2, X_LAYOUT) * (8 * WORDS) + _along(WORDS, 3, X_LAYOUT) * 8 + _along(8, 4, X_LAYOUT))
+            x_row, x_ptrs = _chunked_ptrs(x_ptr, pid_m * BLOCK_M, stride_xm, BLOCK_M, CHUNKS, WORDS, X_LAYOUT)
         x_mask = x_row < M
 
         if NESTED:

@@ -75,7 +75,7 @@ def main():
     for x_dtype, config in variants(capability):
         compiled = compile_variant(capability, x_dtype, config)
         ptx = compiled.asm["ptx"]
-        print(json.dumps({"cc": cc, "x_dtype": TL_NAME[x_dtype], "config": list(config),
+        print(json.dumps({"cc": cc, "x_dtype": TL_NAME[x_dtype], "config": config._asdict(),
                           "shared_bytes": compiled.metadata.shared, "shfl": len(re.findall(r"shfl\.sync", ptx)),
                           "asm_mul_ftz": len(re.findall(r"mul\.rn\.ftz\.f32", ptx)),
                           "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),

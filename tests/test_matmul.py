@@ -273,13 +273,14 @@ def test_routes_compile_ahead_of_time(cc):
     assert lines or (cc < 80 and not matmul.SM75_COMPILES), "no fused route compiled"
     for line in lines:
         assert line["asm_mul_ftz"] > 0, line
-        if line["config"][8]:  # mma.py's kernel: mma.sync or wgmma on fragments decoded in registers, codes by shuffle
-            wgmma = line["config"][12]
-            x_tile_bytes = line["config"][0] * line["config"][2] * 2 if line["config"][10] or wgmma else 0  # staged
-            count_bytes = 4 if line["config"][11] else 0  # fold: the tile's count, shared with every thread
-            assert line["wgmma" if wgmma else "mma"] > 0 and line["shfl"] > 0, line
+        config = line["config"]
+        if config["mma"]:  # mma.py's kernel: mma.sync or wgmma on fragments decoded in registers, codes by shuffle
+            staged = config["stage_x"] or config["wgmma"]
+            x_tile_bytes = config["block_m"] * config["block_k"] * 2 if staged else 0
+            count_bytes = 4 if config["fold"] else 0  # fold: the tile's count, shared with every thread
+            assert line["wgmma" if config["wgmma"] else "mma"] > 0 and line["shfl"] > 0, line
             assert line["shared_bytes"] == max(x_tile_bytes, count_bytes), line
-        elif line["config"][4]:  # a tensor-core tile
+        elif config["dot"]:  # a tensor-core tile
             assert cc < 80 or line["wgmma"] + line["mma"] > 0, line
 
 
