@@ -732,11 +732,13 @@ def _linear_op(
     return y
 
 
+_BOOL_FIELDS = tuple(name for name, kind in MatmulConfig.__annotations__.items() if kind is bool)
+
+
 def _config_of(values):
     """A MatmulConfig from the operator's list of ints (its bool fields travel as 0 or 1)."""
     config = MatmulConfig._make(values)
-    return config._replace(**{name: bool(getattr(config, name))
-                              for name, kind in MatmulConfig.__annotations__.items() if kind is bool})
+    return config._replace(**{name: bool(getattr(config, name)) for name in _BOOL_FIELDS})
 
 
 def _linear_op_fake(x, packed, absmax, code, absmax2, code2, offset, bias, out_features, blocksize, blocksize2,
