@@ -1,7 +1,9 @@
 """Who is timed: the dequantizers by contender name (ours, bitsandbytes, Unsloth's two paths, PEFT),
 and two measuring instruments beside them that move the same bytes without decoding:
 ``floor (no decode)``, a kernel that reads the packed bytes and the absmax and writes the output,
-and ``copy (same bytes)``, a device-to-device copy of as many bytes."""
+and ``copy (same bytes)``, a device-to-device copy of as many bytes. For the matmul, ``floor (bytes
+once)``: a kernel that reads a weight's packed codes and absmax once and writes a zero output, the
+least any one-launch 4-bit matmul must do."""
 
 import math
 
@@ -11,9 +13,11 @@ import triton.language as tl
 
 import bench_weights
 import kernel
+from fastpath import jit
 
 # Measuring instruments among the contenders: they move the same bytes but do not dequantize.
 INSTRUMENTS = ("floor (no decode)", "copy (same bytes)")
+MATMUL_FLOOR = "floor (bytes once)"
 
 
 def contenders(log=print):
@@ -126,3 +130,57 @@ def _copy_source(n_bytes, device):
 
 
 _COPY_SOURCE = {}
+
+
+@jit
+def _add(a, b):
+    return a + b
+
+
+@jit
+def _bytes_once_kernel(
+    words_ptr,  # int32 [n_words]: the packed codes, eight a word
+    absmax_ptr,  # uint8 [n_words / WORDS_PER_ABSMAX]
+    out_ptr,  # [n_out] in x's dtype, written with zeros
+    checksum_ptr,  # int32 [programs]: each program's sum of its words and absmax bytes
+    n_words,  # words of packed codes
+    n_out,  # output elements
+    WORDS_PER_PROGRAM: tl.constexpr,  # packed words each program reads
+    WORDS_PER_ABSMAX: tl.constexpr,  # blocksize / 8
+    OUT_PER_PROGRAM: tl.constexpr,  # output elements each program zeroes (a power of two)
+):
+    """Reads every word and absmax byte once, sums them (so that no load is dead) and writes zeros
+    (``tl.reduce`` and ``tl.full``: the interpreter runs this kernel alone, not Triton's jitted ``tl.sum``)."""
+    pid = tl.program_id(0)
+    words = pid * WORDS_PER_PROGRAM + tl.arange(0, WORDS_PER_PROGRAM)
+    total = tl.reduce(tl.load(words_ptr + words, mask=words < n_words, other=0), 0, _add)
+    BLOCKS: tl.constexpr = WORDS_PER_PROGRAM // WORDS_PER_ABSMAX
+    blocks = pid * BLOCKS + tl.arange(0, BLOCKS)
+    total += tl.reduce(tl.load(absmax_ptr + blocks, mask=blocks * WORDS_PER_ABSMAX < n_words, other=0).to(tl.int32),
+                       0, _add)
+    tl.store(checksum_ptr + pid, total)
+    outs = pid * OUT_PER_PROGRAM + tl.arange(0, OUT_PER_PROGRAM)
+    tl.store(out_ptr + outs, tl.full([OUT_PER_PROGRAM], 0, out_ptr.dtype.element_ty), mask=outs < n_out)
+
+
+BYTES_ONCE_WORDS = 2048  # packed words a program (8 KiB)
+BYTES_ONCE_WARPS = 4
+
+
+def bytes_once(x, packed, state, checksums=None):
+    """The matmul's floor for ``x @ W.T``: W's packed codes and absmax bytes read once, an output of
+    ``x @ W.T``'s shape and dtype written with zeros, one launch. ``checksums``: a list that receives
+    the programs' int32 sums (the tests check that every byte was read)."""
+    assert state.nested and state.absmax.dtype == torch.uint8, "the floor reads double-quantized absmax bytes"
+    n_out_features, n_in_features = state.shape
+    out = torch.empty(*x.shape[:-1], n_out_features, dtype=x.dtype, device=x.device)
+    n_words = n_out_features * n_in_features // 8
+    programs = triton.cdiv(n_words, BYTES_ONCE_WORDS)
+    sums = torch.empty(programs, dtype=torch.int32, device=x.device)
+    _bytes_once_kernel[(programs,)](
+        packed.view(torch.uint8).reshape(-1).view(torch.int32), state.absmax, out, sums, n_words, out.numel(),
+        BYTES_ONCE_WORDS, state.blocksize // 8, triton.next_power_of_2(triton.cdiv(max(out.numel(), 1), programs)),
+        num_warps=BYTES_ONCE_WARPS)
+    if checksums is not None:
+        checksums.append(sums)
+    return out

@@ -15,8 +15,8 @@ are bitsandbytes' own arithmetic (``F.linear`` forward, ``matmul(grad, W)`` back
 and input gradients are bit-exact wherever bitsandbytes dequantizes too.
 
 Inference (no gradient) on a GPU takes ``matmul.choose_route``'s path for its row count: the fused
-NF4 matmul where it is the fastest (on the H100 from 1 to 64 rows, one row only on layers of 56M
-weights and more, and to 128 on those; NOTES.md item 77). It decodes W to the same values; only
+NF4 matmul where it is the fastest (on the H100 from 1 to 256 rows, to 128 or 256 rows by the
+layer's size; NOTES.md items 77, 82, 83). It decodes W to the same values; only
 the order of the fp32 sums differs from bitsandbytes', so logits there agree to the last bits, not
 bit for bit (NOTES.md item 73).
 ``enable(model, fused=False)`` keeps bitsandbytes' arithmetic everywhere. Where bitsandbytes

@@ -36,8 +36,9 @@ import quantstate
 from fastpath import INTERPRET, device_facts, jit
 from kernel import TL_DTYPE, add_rn, decode, fp32_to_bf16_rne, lookup, mul_ftz
 
-__all__ = ["nf4_linear", "linear_by_route", "decoded_weight", "choose_route", "Route", "MatmulConfig", "MATMUL_ROUTES",
-           "TL_ROUTES", "routes_for", "mma_runs_on", "mma_supported", "LAUNCHES", "nf4_matmul_kernel", "split_k_reduce_kernel"]
+__all__ = ["nf4_linear", "linear_by_route", "route_taken", "decoded_weight", "choose_route", "Route", "MatmulConfig",
+           "MATMUL_ROUTES", "TL_ROUTES", "routes_for", "mma_runs_on", "mma_supported", "LAUNCHES", "nf4_matmul_kernel",
+           "split_k_reduce_kernel"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,14 +363,18 @@ MATMUL_ROUTES = {
         Route(2, "fused", _MMA_TILE(split_k=4, words=4, stage_x=False), min_weight=128 * _M),
         Route(8, "fused", _MMA_TILE(words=4, fold=True), min_weight=128 * _M),
         # 14336x4096, 1 to 4 rows: 24.4 / 24.6 / 25.3 against 25.9 / 25.9 / 26.0 staged, folded 23.5 / 24.0 / 24.5;
-        # one row: 30.0 / 100.2 at 14336x4096 for bitsandbytes / dequantize + cuBLAS; below 56M weights its GEMV:
-        # 10.8 / 26.0 / - / 10.8 at 4096x4096, 7.1 / 11.4 / - / 7.6 at 4096x1024
+        # one row: 30.0 / 100.2 at 14336x4096 for bitsandbytes / dequantize + cuBLAS
         Route(4, "fused", _MMA_TILE(words=4, stage_x=False, fold=True), min_weight=56 * _M),
-        Route(1, "bitsandbytes"),
+        # one row of 4096x4096: 10.8 / 25.5 / - / 8.9 at split 16 of 128 columns, unstaged (split 8 of 256, staged:
+        # 9.6; 2 and 8 rows 9.6 / 11.8 against 9.8 / 10.2; item 83)
+        Route(1, "fused", _MMA_TILE(block_k=128, split_k=16, words=4, stage_x=False, fold=True), min_weight=16 * _M),
         # 8 rows: 124.4 / 100.2 / 47.8 / 26.5 at 14336x4096 (2 words 26.3); 37.3 / 25.2 / 17.8 / 11.1 at 4096x4096
         # (11.0); 17.5 / 11.3 / 10.5 / 7.8 at 4096x1024 (7.9). Folded: 25.7 against 26.4, 10.4 against 11.3, 6.9
         # against 8.0 (2 to 8 rows: 0.5 to 1.2 us less)
-        Route(8, "fused", _MMA_TILE(words=4, fold=True)),
+        Route(8, "fused", _MMA_TILE(words=4, fold=True), min_weight=16 * _M),
+        # below 16M weights split 16 (item 83): 5.4 / 6.0 / 6.4 us at 1 / 2 / 8 rows of 4096x1024 against split 8's
+        # 6.4 / 6.7 / 6.9; bitsandbytes 7.1 / 9.3 / 17.5
+        Route(8, "fused", _MMA_TILE(split_k=16, words=4, fold=True)),
         # 16 rows: 67.8 / 100.4 / 49.5 / 29.7 at 4096x14336 (2 words 30.6); 124.6 / 100.3 / - / 29.0 at 14336x4096
         # (4 words 31.4); 37.5 / 26.1 / - / 12.0 at 4096x4096 (12.1); 17.4 / 11.4 / - / 7.7 at 4096x1024 (8.4)
         Route(16, "fused", _MMA_TILE(block_m=16, split_k=4, words=4), min_weight=56 * _M, min_out=14336),
@@ -674,9 +679,8 @@ def linear_by_route(x, packed, qs, bias, route):
         _, blocksize, nested, blocksize2, tables = quantstate.check_state(packed, qs)
         if x2d.numel() == 0 or out_features == 0 or not _fused_supported(blocksize, in_features, x2d):
             path = "dequantize"
-        elif route.config.mma and not mma_supported(x2d, in_features, blocksize, route.config):
-            return linear_by_route(x, packed, qs, bias, choose_route(device_facts(x.device)[0], x2d.shape[0],
-                                                                     in_features, out_features, TL_ROUTES))
+        elif route_taken(x2d, out_features, blocksize, route) is not route:
+            return linear_by_route(x, packed, qs, bias, route_taken(x2d, out_features, blocksize, route))
     if path == "bitsandbytes":
         import bitsandbytes
 
@@ -693,6 +697,14 @@ def linear_by_route(x, packed, qs, bias, route):
     launch_fused(x2d, packed.view(torch.uint8), tables, bias, y, n=out_features, k=in_features, blocksize=blocksize,
                  blocksize2=blocksize2, nested=nested, fp4=qs.quant_type == "fp4", config=route.config)
     return y.reshape(*lead, out_features)
+
+
+def route_taken(x2d, out_features, blocksize, route):
+    """The route a call of x2d (rows, in) takes: ``route``, or where it is mma.py's and that kernel cannot
+    run the call, the ``tl`` table's route for the same call (which may be bitsandbytes')."""
+    if route.path == "fused" and route.config.mma and not mma_supported(x2d, x2d.shape[1], blocksize, route.config):
+        return choose_route(device_facts(x2d.device)[0], x2d.shape[0], x2d.shape[1], out_features, TL_ROUTES)
+    return route
 
 
 def decoded_weight(packed, qs, dtype):

@@ -1,5 +1,6 @@
 """Benchmark section ``matmul``: the fused NF4 matmul against bitsandbytes, dequantize + cuBLAS and a
-16-bit weight already in memory, over row counts M, with the roofline measured in the same run.
+16-bit weight already in memory, over row counts M, with the roofline measured in the same run and
+``floor (bytes once)`` beside them, a kernel that only reads the weight's bytes (launch and ramp included).
 
     python bench.py --sections matmul            # the section: results/<gpu>/matmul.csv, matmul.png
     python matmulbench.py --sweep [--dtype ...] [--layers 4096x14336,...] [--rows 1,16,...]
@@ -20,6 +21,7 @@ import time
 
 import torch
 
+import bench_contenders
 import bench_timing
 import bench_weights
 import fastpath
@@ -215,14 +217,18 @@ def fused_config(rows, in_features, out_features):
 
 
 def contenders(layers, x, out_features):
-    """name -> calls (one per weight copy): the baselines, the fused kernel and nf4_linear's route."""
+    """name -> calls (one per weight copy): the baselines, the fused kernel, nf4_linear's route and
+    the floor (``bench_contenders.bytes_once``: the bytes read once, no product)."""
     rows, in_features = x.shape
     config = fused_config(rows, in_features, out_features)
     out = torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
+    weights = [quantstate.resolve(layer.weight, layer.weight.quant_state) for layer in layers]
     return {
         **baselines(layers, x),
         "fused kernel": [fused_call(layer, x, config, out) for layer in layers],
         "nf4_linear (routed)": [lambda layer=layer: matmul.nf4_linear(x, layer) for layer in layers],
+        bench_contenders.MATMUL_FLOOR: [lambda weight=weight: bench_contenders.bytes_once(x, *weight)
+                                        for weight in weights],
     }
 
 
@@ -340,7 +346,7 @@ def notebook_points(dtype_name, dtype, layer, rows, rounds, rooflines=None, meta
 def readme_table(path, dtype="bf16"):
     """The README's matmul table from a matmul.csv: per layer and M, nf4_linear's GPU time, the best
     path before it (bitsandbytes or dequantize + cuBLAS) and how many times faster, the roofline and
-    nf4_linear's share of it."""
+    nf4_linear's share of it, and the floor kernel's time."""
     import csv
 
     with open(path, newline="") as handle:
@@ -349,7 +355,7 @@ def readme_table(path, dtype="bf16"):
     roofline = {(row["shape"], int(row["rows"])): float(row["roofline_us"]) for row in found}
     route = {(row["shape"], int(row["rows"])): row["route"] for row in found}
     lines = ["| layer (in x out) | M | nf4_linear, us (route) | best before, us | speed-up | roofline, us | "
-             "% of roofline |", "|---|---|---|---|---|---|---|"]
+             "% of roofline | floor (bytes once), us |", "|---|---|---|---|---|---|---|---|"]
     for layer in dict.fromkeys(row["shape"] for row in found):
         for m in README_ROWS:
             ours = time[layer, m, "nf4_linear (routed)"]
@@ -357,7 +363,7 @@ def readme_table(path, dtype="bf16"):
             lines.append(f"| {layer} | {m} | {ours:.1f} ({route[layer, m]}) | {time[layer, m, before]:.1f} "
                          f"({'bitsandbytes' if before == 'bitsandbytes' else 'dequantize'}) | "
                          f"{time[layer, m, before] / ours:.2f}x | {roofline[layer, m]:.1f} | "
-                         f"{100 * roofline[layer, m] / ours:.0f} % |")
+                         f"{100 * roofline[layer, m] / ours:.0f} % | {time[layer, m, bench_contenders.MATMUL_FLOOR]:.1f} |")
     return lines
 
 

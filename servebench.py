@@ -3,7 +3,7 @@ its Linear4bit layers computed by bitsandbytes, by the drop-in (with and without
 matmul) and by Unsloth's Linear4bit override, each step replayed from a CUDA graph.
 
     python servebench.py [--dtype bf16|fp16] [--layers 8] [--rounds 3] [--out results] [--model DIR]
-                         [--sections decode,prefill,share,train,curves]
+                         [--sections decode,prefill,share,train,curves,floor]
 
 Built as users load it: random weights saved locally, loaded through transformers'
 BitsAndBytesConfig (NF4, double quantization). Per contender, rounds interleaved (the order turns
@@ -17,7 +17,10 @@ each round), medians with p20/p80 over rounds:
 - agreement: logits of the prompt's last position and of the first decode step (every contender
   fed the same token) against bitsandbytes and against an fp32 reference (each linear
   ``F.linear(x.float(), W.float())`` rounded once), greedy tokens against bitsandbytes';
-- the share of the GPU's kernel time spent in the 4-bit linears (profiler, eager step).
+- the share of the GPU's kernel time spent in the 4-bit linears (profiler, eager step);
+- floor: decode again beside ``floor (bytes once)``, every 4-bit linear replaced by a kernel that only
+  reads its packed codes and absmax once and writes zeros: the most tokens/s any 4-bit linear of one
+  launch could give this model (its tokens are not a generation).
 A contender whose step cannot be captured is timed eager, and its rows say so.
 """
 
@@ -30,6 +33,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+import bench_contenders
 import bench_results
 import bench_timing
 import dropin
@@ -49,7 +53,8 @@ CURVE_TOKENS = (2, 512)
 CONTENDERS = ("bitsandbytes", "nf4-triton", "nf4-triton (no fused matmul)", "unsloth")
 TRAINING = ("bitsandbytes", "nf4-triton", "unsloth")  # the fused matmul serves no-grad calls only
 REFERENCE = "fp32 reference"
-SECTIONS = ("decode", "prefill", "share", "train", "curves")
+FLOOR = bench_contenders.MATMUL_FLOOR
+SECTIONS = ("decode", "prefill", "share", "train", "curves", "floor")
 
 
 # --------------------------------------------------------------------------------------------
@@ -76,6 +81,11 @@ def _reference_forward(module, x):
     return F.linear(x.float(), matmul.decoded_weight(packed, state, torch.float32), bias).to(x.dtype)
 
 
+def _floor_forward(module, x):
+    """The layer's bytes read once and a zero output (``bench_contenders.bytes_once``): no matmul."""
+    return bench_contenders.bytes_once(x, *quantstate.resolve(module.weight, module.weight.quant_state))
+
+
 class Router:
     """Routes a model's Linear4bit layers to one contender at a time."""
 
@@ -96,9 +106,9 @@ class Router:
             dropin.enable(self.model, fused=False)
         elif name == "unsloth":
             self.unsloth[0]()
-        elif name == REFERENCE:
+        elif name in (REFERENCE, FLOOR):
             for layer in self.layers:
-                layer.forward = functools.partial(_reference_forward, layer)
+                layer.forward = functools.partial(_reference_forward if name == REFERENCE else _floor_forward, layer)
         elif name != "bitsandbytes":
             raise ValueError(f"unknown contender {name!r}")
 
@@ -229,6 +239,41 @@ def _output(call, output):
     return (result if output is None else output).clone()
 
 
+def _decode_rounds(names, router, model, decoder, timed, rounds):
+    """({name: seconds per step, a sample a round}, {name: the generated tokens, one a round}): each
+    round a prefill, then NEW_TOKENS - 1 replays of the contender's step, contenders in turn."""
+    steps, generations = {name: [] for name in names}, {name: [] for name in names}
+    for round_index in range(rounds):
+        for name in _turned(names, round_index):
+            router(model, name)
+            decoder.prefill()
+            steps[name].append(gpu_seconds(timed[name][0], NEW_TOKENS - 1))
+            generations[name].append(decoder.tokens.clone())
+    return steps, generations
+
+
+def bench_floor(model, router, dtype_name, rounds, meta, log):
+    """Decode tokens/s per batch for bitsandbytes, the drop-in and ``FLOOR`` in the same rounds."""
+    names, rows = ["bitsandbytes", "nf4-triton", FLOOR], []
+    for batch in DECODE_BATCHES:
+        decoder = Decoder(model, batch)
+        with torch.no_grad():
+            timed = _timed_contenders(names, router, model, decoder.step, before=decoder.prefill)
+            steps = _decode_rounds(names, router, model, decoder, timed, rounds)[0]
+        bnb = bench_timing.summarize(steps["bitsandbytes"])[0]
+        for name in names:
+            median = bench_timing.summarize(steps[name])[0]
+            rows.append(_row(meta, "decode floor", dtype_name, f"{batch}x{PROMPT}+{NEW_TOKENS}", name, steps[name],
+                             tokens_per_s=batch / median, speedup_over_bitsandbytes=bnb / median,
+                             timing=timed[name][2], peak_mib=timed[name][3] / 2**20))
+        log(f"decode floor {dtype_name} batch {batch}: " + ", ".join(
+            f"{r['implementation']} {r['tokens_per_s']:.0f} tok/s ({r['speedup_over_bitsandbytes']:.2f}x, "
+            f"{r['timing'][:10]})" for r in rows[-len(names):]))
+        del decoder, timed
+        torch.cuda.empty_cache()
+    return rows
+
+
 def bench_decode(model, router, names, dtype_name, rounds, meta, log):
     """Decode tokens/s per batch under CUDA graphs, the generations and the logits' agreement."""
     rows = []
@@ -236,13 +281,7 @@ def bench_decode(model, router, names, dtype_name, rounds, meta, log):
         decoder = Decoder(model, batch)
         with torch.no_grad():
             timed = _timed_contenders(names, router, model, decoder.step, before=decoder.prefill)
-            steps, generations = {name: [] for name in names}, {name: [] for name in names}
-            for round_index in range(rounds):
-                for name in _turned(names, round_index):
-                    router(model, name)
-                    decoder.prefill()
-                    steps[name].append(gpu_seconds(timed[name][0], NEW_TOKENS - 1))
-                    generations[name].append(decoder.tokens.clone())
+            steps, generations = _decode_rounds(names, router, model, decoder, timed, rounds)
             tokens = {name: runs[0] for name, runs in generations.items()}
             # Logits from the same inputs: the prompt's last position, then one step from one token.
             logits = {}
@@ -457,6 +496,7 @@ def run(dtype_name, layers, rounds, model_folder, meta, log=print, with_unsloth=
                                                 dict.fromkeys(training), meta, log, tokens=TRAIN_TOKENS,
                                                 route_to=router),
         "curves": lambda: loss_curves(model, router, training, dtype_name, meta, log),
+        "floor": lambda: bench_floor(model, router, dtype_name, rounds, meta, log),
     }
     rows = []
     for section in (bodies[name] for name in SECTIONS if name in sections):

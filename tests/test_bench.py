@@ -125,6 +125,22 @@ def test_floor_kernel_reads_the_packed_bytes_and_the_absmax(shape):
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("shape", [(100, 192), (8, 64)])
+def test_matmul_floor_reads_every_word_and_absmax_byte_once(shape, device):
+    import torch
+
+    from helpers import quantize
+
+    packed, state = quantize(shape, dtype=torch.float16, device=device)
+    x = torch.randn(3, shape[1], dtype=torch.float16, device=device)
+    checksums = []
+    out = bench_contenders.bytes_once(x, packed, state, checksums)
+    assert out.shape == (3, shape[0]) and out.dtype == x.dtype and not out.any()
+    words = packed.view(torch.uint8).reshape(-1).view(torch.int32).to(torch.int64).sum()
+    expected = (words + state.absmax.to(torch.int64).sum()) % 2**32
+    assert checksums[0].to(torch.int64).sum().item() % 2**32 == expected.item()
+
+
 @pytest.mark.gpu
 def test_compiled_floor_matches_the_floor_kernel():
     """The compile section's floor: the same kernel inside a compiled graph, no graph break."""
