@@ -140,7 +140,7 @@ def _add(a, b):
 @jit
 def _bytes_once_kernel(
     words_ptr,  # int32 [n_words]: the packed codes, eight a word
-    absmax_ptr,  # uint8 [n_words / WORDS_PER_ABSMAX]
+    absmax_ptr,  # uint8 [ceil(n_words / WORDS_PER_ABSMAX)]
     out_ptr,  # [n_out] in x's dtype, written with zeros
     checksum_ptr,  # int32 [programs]: each program's sum of its words and absmax bytes
     n_words,  # words of packed codes
@@ -149,8 +149,9 @@ def _bytes_once_kernel(
     WORDS_PER_ABSMAX: tl.constexpr,  # blocksize / 8
     OUT_PER_PROGRAM: tl.constexpr,  # output elements each program zeroes (a power of two)
 ):
-    """Reads every word and absmax byte once, sums them (so that no load is dead) and writes zeros
-    (``tl.reduce`` and ``tl.full``: the interpreter runs this kernel alone, not Triton's jitted ``tl.sum``)."""
+    """Reads every word and absmax byte once, sums them (so that no load is dead) and writes zeros.
+    ``tl.reduce`` and ``tl.full``, not ``tl.sum`` and ``tl.zeros``: those are jitted functions, which
+    the CPU tests' interpreter cannot call from a kernel interpreted on its own."""
     pid = tl.program_id(0)
     words = pid * WORDS_PER_PROGRAM + tl.arange(0, WORDS_PER_PROGRAM)
     total = tl.reduce(tl.load(words_ptr + words, mask=words < n_words, other=0), 0, _add)
@@ -167,14 +168,19 @@ BYTES_ONCE_WORDS = 2048  # packed words a program (8 KiB)
 BYTES_ONCE_WARPS = 4
 
 
-def bytes_once(x, packed, state, checksums=None):
+def bytes_once(x, packed, state, checksums=None, out=None):
     """The matmul's floor for ``x @ W.T``: W's packed codes and absmax bytes read once, an output of
     ``x @ W.T``'s shape and dtype written with zeros, one launch. ``checksums``: a list that receives
-    the programs' int32 sums (the tests check that every byte was read)."""
-    assert state.nested and state.absmax.dtype == torch.uint8, "the floor reads double-quantized absmax bytes"
+    the programs' int32 sums (the tests check that every byte was read); ``out``: where to write."""
+    if not (state.nested and state.absmax.dtype == torch.uint8):
+        raise ValueError("bytes_once reads double-quantized (uint8) absmax; this state's absmax is "
+                         f"{state.absmax.dtype}")
     n_out_features, n_in_features = state.shape
-    out = torch.empty(*x.shape[:-1], n_out_features, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(*x.shape[:-1], n_out_features, dtype=x.dtype, device=x.device)
     n_words = n_out_features * n_in_features // 8
+    if n_words == 0:
+        return out.zero_()
     programs = triton.cdiv(n_words, BYTES_ONCE_WORDS)
     sums = torch.empty(programs, dtype=torch.int32, device=x.device)
     _bytes_once_kernel[(programs,)](

@@ -366,11 +366,10 @@ MATMUL_ROUTES = {
         # one row: 30.0 / 100.2 at 14336x4096 for bitsandbytes / dequantize + cuBLAS
         Route(4, "fused", _MMA_TILE(words=4, stage_x=False, fold=True), min_weight=56 * _M),
         # one row of 4096x4096: 10.8 / 25.5 / - / 8.9 at split 16 of 128 columns, unstaged (split 8 of 256, staged:
-        # 9.6; 2 and 8 rows 9.6 / 11.8 against 9.8 / 10.2; item 83)
+        # 9.6); a tie at 2 rows (9.6 against 9.8), 11.8 against 10.2 at 8 (item 83)
         Route(1, "fused", _MMA_TILE(block_k=128, split_k=16, words=4, stage_x=False, fold=True), min_weight=16 * _M),
         # 8 rows: 124.4 / 100.2 / 47.8 / 26.5 at 14336x4096 (2 words 26.3); 37.3 / 25.2 / 17.8 / 11.1 at 4096x4096
-        # (11.0); 17.5 / 11.3 / 10.5 / 7.8 at 4096x1024 (7.9). Folded: 25.7 against 26.4, 10.4 against 11.3, 6.9
-        # against 8.0 (2 to 8 rows: 0.5 to 1.2 us less)
+        # (11.0). Folded: 25.7 against 26.4, 10.4 against 11.3 (2 to 8 rows: 0.5 to 1.2 us less)
         Route(8, "fused", _MMA_TILE(words=4, fold=True), min_weight=16 * _M),
         # below 16M weights split 16 (item 83): 5.4 / 6.0 / 6.4 us at 1 / 2 / 8 rows of 4096x1024 against split 8's
         # 6.4 / 6.7 / 6.9; bitsandbytes 7.1 / 9.3 / 17.5
@@ -679,8 +678,8 @@ def linear_by_route(x, packed, qs, bias, route):
         _, blocksize, nested, blocksize2, tables = quantstate.check_state(packed, qs)
         if x2d.numel() == 0 or out_features == 0 or not _fused_supported(blocksize, in_features, x2d):
             path = "dequantize"
-        elif route_taken(x2d, out_features, blocksize, route) is not route:
-            return linear_by_route(x, packed, qs, bias, route_taken(x2d, out_features, blocksize, route))
+        elif (taken := route_taken(x2d, out_features, blocksize, route)) is not route:
+            return linear_by_route(x, packed, qs, bias, taken)
     if path == "bitsandbytes":
         import bitsandbytes
 
@@ -701,7 +700,9 @@ def linear_by_route(x, packed, qs, bias, route):
 
 def route_taken(x2d, out_features, blocksize, route):
     """The route a call of x2d (rows, in) takes: ``route``, or where it is mma.py's and that kernel cannot
-    run the call, the ``tl`` table's route for the same call (which may be bitsandbytes')."""
+    run the call, the ``tl`` table's route for the same call (which may be bitsandbytes'). Not the
+    fallbacks to dequantize of ``linear_by_route`` (an empty call, a layout the fused kernels do not
+    read, bitsandbytes under the interpreter or torch.compile)."""
     if route.path == "fused" and route.config.mma and not mma_supported(x2d, x2d.shape[1], blocksize, route.config):
         return choose_route(device_facts(x2d.device)[0], x2d.shape[0], x2d.shape[1], out_features, TL_ROUTES)
     return route
