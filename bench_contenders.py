@@ -2,8 +2,8 @@
 and two measuring instruments beside them that move the same bytes without decoding:
 ``floor (no decode)``, a kernel that reads the packed bytes and the absmax and writes the output,
 and ``copy (same bytes)``, a device-to-device copy of as many bytes. For the matmul, ``floor (bytes
-once)``: a kernel that reads a weight's packed codes and absmax once and writes a zero output, the
-least any one-launch 4-bit matmul must do."""
+once)``: a kernel that reads a weight's packed codes and absmax once and writes a zero output, one
+launch that does nothing but read what a 4-bit matmul must read."""
 
 import math
 
@@ -13,7 +13,7 @@ import triton.language as tl
 
 import bench_weights
 import kernel
-from fastpath import jit
+from fastpath import jit, sum_combine
 
 # Measuring instruments among the contenders: they move the same bytes but do not dequantize.
 INSTRUMENTS = ("floor (no decode)", "copy (same bytes)")
@@ -133,11 +133,6 @@ _COPY_SOURCE = {}
 
 
 @jit
-def _add(a, b):
-    return a + b
-
-
-@jit
 def _bytes_once_kernel(
     words_ptr,  # int32 [n_words]: the packed codes, eight a word
     absmax_ptr,  # uint8 [ceil(n_words / WORDS_PER_ABSMAX)]
@@ -149,16 +144,16 @@ def _bytes_once_kernel(
     WORDS_PER_ABSMAX: tl.constexpr,  # blocksize / 8
     OUT_PER_PROGRAM: tl.constexpr,  # output elements each program zeroes (a power of two)
 ):
-    """Reads every word and absmax byte once, sums them (so that no load is dead) and writes zeros.
-    ``tl.reduce`` and ``tl.full``, not ``tl.sum`` and ``tl.zeros``: those are jitted functions, which
-    the CPU tests' interpreter cannot call from a kernel interpreted on its own."""
+    """Reads every word and absmax byte once, sums them (so that no load is dead) and writes zeros
+    (``tl.reduce`` with ``fastpath.sum_combine`` and ``tl.full``: the interpreter cannot call the jitted
+    ``tl.sum`` and ``tl.zeros`` from a kernel it runs alone)."""
     pid = tl.program_id(0)
     words = pid * WORDS_PER_PROGRAM + tl.arange(0, WORDS_PER_PROGRAM)
-    total = tl.reduce(tl.load(words_ptr + words, mask=words < n_words, other=0), 0, _add)
+    total = tl.reduce(tl.load(words_ptr + words, mask=words < n_words, other=0), 0, sum_combine)
     BLOCKS: tl.constexpr = WORDS_PER_PROGRAM // WORDS_PER_ABSMAX
     blocks = pid * BLOCKS + tl.arange(0, BLOCKS)
     total += tl.reduce(tl.load(absmax_ptr + blocks, mask=blocks * WORDS_PER_ABSMAX < n_words, other=0).to(tl.int32),
-                       0, _add)
+                       0, sum_combine)
     tl.store(checksum_ptr + pid, total)
     outs = pid * OUT_PER_PROGRAM + tl.arange(0, OUT_PER_PROGRAM)
     tl.store(out_ptr + outs, tl.full([OUT_PER_PROGRAM], 0, out_ptr.dtype.element_ty), mask=outs < n_out)

@@ -39,7 +39,7 @@ import weakref
 import torch
 import triton
 
-__all__ = ["INTERPRET", "ENABLED", "jit", "interpret", "device_facts", "launch_hooks_active", "kernel_launcher",
+__all__ = ["INTERPRET", "ENABLED", "jit", "sum_combine", "interpret", "device_facts", "launch_hooks_active", "kernel_launcher",
            "interpreter_launcher", "can_watch", "LaunchPlan", "PlanCache"]
 
 # Without CUDA, CPU tensors through Triton's interpreter, chosen here for the project's kernels
@@ -57,6 +57,13 @@ def jit(fn):
 
         return InterpretedFunction(fn)
     return triton.jit(fn)
+
+
+@jit
+def sum_combine(a, b):
+    """``a + b``, the combine of a ``tl.reduce`` sum: ``tl.sum`` is itself a jitted function, which the
+    interpreter cannot call from a kernel it runs alone."""
+    return a + b
 
 
 # Triton's interpreter keeps the grid and the program index process-wide: one launch at a time.

@@ -33,7 +33,7 @@ import fastpath
 import kernel
 import mma
 import quantstate
-from fastpath import INTERPRET, device_facts, jit
+from fastpath import INTERPRET, device_facts, jit, sum_combine
 from kernel import TL_DTYPE, add_rn, decode, fp32_to_bf16_rne, lookup, mul_ftz
 
 __all__ = ["nf4_linear", "linear_by_route", "route_taken", "decoded_weight", "choose_route", "Route", "MatmulConfig",
@@ -44,11 +44,6 @@ __all__ = ["nf4_linear", "linear_by_route", "route_taken", "decoded_weight", "ch
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
-@jit
-def _add(a, b):
-    return a + b
-
-
 @jit
 def _block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, mask, BLOCKSIZE2: tl.constexpr,
                   NESTED: tl.constexpr, TABLE_HINT: tl.constexpr, USE_ASM: tl.constexpr, SHARED_TABLES: tl.constexpr):
@@ -235,11 +230,11 @@ def nf4_matmul_kernel(
             else:
                 x = tl.load(x_ptr + pid_m * stride_xm + k, mask=k < K, other=0.0)
             # each thread holds a word's 8 codes: their sum needs no exchange between threads
-            acc += tl.reduce(w.to(tl.float32) * x.to(tl.float32)[None, :, :, :], 3, _add)
+            acc += tl.reduce(w.to(tl.float32) * x.to(tl.float32)[None, :, :, :], 3, sum_combine)
     if DOT:
         result = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
-        result = tl.reshape(tl.reduce(tl.reshape(acc, (BLOCK_N, BLOCK_K // 8)), 1, _add), (1, BLOCK_N))
+        result = tl.reshape(tl.reduce(tl.reshape(acc, (BLOCK_N, BLOCK_K // 8)), 1, sum_combine), (1, BLOCK_N))
 
     out_mask = m_mask[:, None] & (n[None, :] < N)
     if SPLIT_K > 1:

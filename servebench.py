@@ -19,8 +19,8 @@ each round), medians with p20/p80 over rounds:
   ``F.linear(x.float(), W.float())`` rounded once), greedy tokens against bitsandbytes';
 - the share of the GPU's kernel time spent in the 4-bit linears (profiler, eager step);
 - floor: decode again beside ``floor (bytes once)``, every 4-bit linear replaced by a kernel that only
-  reads its packed codes and absmax once and writes zeros: the most tokens/s any 4-bit linear of one
-  launch could give this model (its tokens are not a generation).
+  reads its packed codes and absmax once and writes zeros: what reading the bytes alone, one launch a
+  linear, allows this model (its tokens are not a generation).
 A contender whose step cannot be captured is timed eager, and its rows say so.
 """
 
