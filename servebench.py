@@ -54,7 +54,7 @@ CONTENDERS = ("bitsandbytes", "nf4-triton", "nf4-triton (no fused matmul)", "uns
 TRAINING = ("bitsandbytes", "nf4-triton", "unsloth")  # the fused matmul serves no-grad calls only
 REFERENCE = "fp32 reference"
 FLOOR = bench_contenders.MATMUL_FLOOR
-SECTIONS = ("decode", "prefill", "share", "train", "curves", "floor")
+SECTIONS = ("decode", "prefill", "share", "floor", "train", "curves")  # "train" adds LoRA: the inference sections first
 
 
 # --------------------------------------------------------------------------------------------
