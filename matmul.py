@@ -355,10 +355,16 @@ MATMUL_ROUTES = {
         # 28672x8192: 80.6 / 81.4 at 1 / 2 rows at split 4 against x staged's 82.6 / 82.5 at split 8 (87.9 / 88.9
         # unstaged), 83.0 staged at 4 rows. The split-K sum folded in (item 81): 82.8 / 84.3 against 83.3 / 85.1 at
         # 4 / 8 rows; 82.2 / 83.1 against 80.9 / 81.6 at 1 / 2 rows, so not there (nor on 4096x14336: 24.5 against 24.4)
-        Route(2, "fused", _MMA_TILE(split_k=4, words=4, stage_x=False), min_weight=128 * _M),
-        Route(8, "fused", _MMA_TILE(words=4, fold=True), min_weight=128 * _M),
+        # Splits 2 to 32 (item 85, split_sweep.log): 74.4 / 76.4 at 1 / 2 rows at split 32 against split 4's 81.4 /
+        # 82.4; 80.9 / 81.8 at 4 / 8 rows at split 16 against split 8's 82.5 / 83.0
+        Route(2, "fused", _MMA_TILE(split_k=32, words=4, stage_x=False), min_weight=128 * _M),
+        Route(8, "fused", _MMA_TILE(split_k=16, words=4, fold=True), min_weight=128 * _M),
         # 14336x4096, 1 to 4 rows: 24.4 / 24.6 / 25.3 against 25.9 / 25.9 / 26.0 staged, folded 23.5 / 24.0 / 24.5;
-        # one row: 30.0 / 100.2 at 14336x4096 for bitsandbytes / dequantize + cuBLAS
+        # one row: 30.0 / 100.2 at 14336x4096 for bitsandbytes / dequantize + cuBLAS. Split 16 (item 85): 20.9 / 21.8 /
+        # 23.3 / 24.7 at 1 / 2 / 4 / 8 rows against split 8's 23.6 / 24.0 / 24.7 / 25.6 (split 32: 23.1 / 24.3 /
+        # 26.0 / 26.5); K of 14336 and more only, the 70B's 8192x8192 not swept
+        Route(4, "fused", _MMA_TILE(split_k=16, words=4, stage_x=False, fold=True), min_weight=56 * _M, min_in=14336),
+        Route(8, "fused", _MMA_TILE(split_k=16, words=4, fold=True), min_weight=56 * _M, min_in=14336),
         Route(4, "fused", _MMA_TILE(words=4, stage_x=False, fold=True), min_weight=56 * _M),
         # one row of 4096x4096: 10.8 / 25.5 / - / 8.9 at split 16 of 128 columns, unstaged (split 8 of 256, staged:
         # 9.6); a tie at 2 rows (9.6 against 9.8), 11.8 against 10.2 at 8 (item 83)
@@ -500,6 +506,12 @@ class _Scratch:
             return self.counters[self.handed_out - count:self.handed_out]
 
 
+def split_taken(steps, split_k):
+    """The split a call runs: the largest divisor of its BLOCK_K steps up to the route's ``split_k``, so that
+    every program takes whole steps (56 steps of 14336 at split 16 run as 14 splits of 4)."""
+    return max(split for split in range(1, split_k + 1) if steps % split == 0)
+
+
 def split_k_scratch(device, elements, tiles, capturing):
     """(fp32 partials of at least ``elements``, int32 zero counters for ``tiles`` output tiles, or None
     where no fold is asked or none is left) for a split-K launch on the current stream of ``device``;
@@ -534,7 +546,7 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
         bf16_via_int = INTERPRET or torch.cuda.get_device_capability(x2d.device) < (8, 0)
     code_lookup = config.lookup if kernel.TRITON_COMPILES_SHARED_TABLES else 0  # gathers compile from Triton 3.4
     steps = triton.cdiv(k, config.block_k)
-    split_k = max(split for split in range(1, config.split_k + 1) if steps % split == 0)
+    split_k = split_taken(steps, config.split_k)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split_k)
     capturing = not INTERPRET and torch.cuda.is_current_stream_capturing()
     partials = counters = None

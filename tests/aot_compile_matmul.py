@@ -42,20 +42,22 @@ def compile_variant(capability, x_dtype, config):
     """The route's kernel for this target: matmul.py's tl kernel, or mma.py's through Gluon's AST
     source (its layouts as constexprs)."""
     name = TL_NAME[x_dtype]
+    steps = 4096 // config.block_k
+    split_k = matmul.split_taken(steps, config.split_k)  # as a call at K = 4096 runs it
     signature = {"x_ptr": f"*{name}", "packed_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32",
                  "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset_ptr": "*fp32", "bias_ptr": f"*{name}",
-                 "out_ptr": f"*{name}" if config.split_k == 1 else "*fp32", "M": "i32", "N": "i32", "K": "i32",
+                 "out_ptr": f"*{name}" if split_k == 1 else "*fp32", "M": "i32", "N": "i32", "K": "i32",
                  "stride_xm": "i32"}
     constexprs = dict(BLOCKSIZE=64, BLOCKSIZE2=256, NESTED=True, FP4=False, X_DTYPE=x_dtype, BLOCK_M=config.block_m,
-                      BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
-                      STEPS_PER_SPLIT=4096 // config.block_k // config.split_k, HAS_BIAS=False, USE_INT64=False)
+                      BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
+                      STEPS_PER_SPLIT=steps // split_k, HAS_BIAS=False, USE_INT64=False)
     options = {"num_warps": config.num_warps}
     if config.mma:
         from triton.experimental.gluon._runtime import GluonASTSource
 
         fn, make_source = mma.nf4_mma_kernel, GluonASTSource
         signature.update(out_ptr=f"*{name}", partial_ptr="*fp32", counter_ptr="*i32")
-        constexprs.update(STAGE_X=config.stage_x, FOLD=config.fold and config.split_k > 1, PREFETCH=config.prefetch)
+        constexprs.update(STAGE_X=config.stage_x, FOLD=config.fold and split_k > 1, PREFETCH=config.prefetch)
         constexprs.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m,
                                                 config.words, config.wgmma))
     else:
