@@ -356,7 +356,7 @@ MATMUL_ROUTES = {
         # unstaged), 83.0 staged at 4 rows. The split-K sum folded in (item 81): 82.8 / 84.3 against 83.3 / 85.1 at
         # 4 / 8 rows; 82.2 / 83.1 against 80.9 / 81.6 at 1 / 2 rows, so not there (nor on 4096x14336: 24.5 against 24.4)
         # Splits 2 to 32 (item 85, split_sweep.log): 74.4 / 76.4 at 1 / 2 rows at split 32 against split 4's 81.4 /
-        # 82.4; 80.9 / 81.8 at 4 / 8 rows at split 16 against split 8's 82.5 / 83.0
+        # 82.4; 80.9 / 81.8 at 4 / 8 rows at split 16 against split 8's 82.5 / 83.0 (split 32 80.5 / 83.2)
         Route(2, "fused", _MMA_TILE(split_k=32, words=4, stage_x=False), min_weight=128 * _M),
         Route(8, "fused", _MMA_TILE(split_k=16, words=4, fold=True), min_weight=128 * _M),
         # 14336x4096, 1 to 4 rows: 24.4 / 24.6 / 25.3 against 25.9 / 25.9 / 26.0 staged, folded 23.5 / 24.0 / 24.5;
