@@ -86,6 +86,9 @@ def _floor_forward(module, x):
     return bench_contenders.bytes_once(x, *quantstate.resolve(module.weight, module.weight.quant_state))
 
 
+LAYER_FORWARDS = {REFERENCE: _reference_forward, FLOOR: _floor_forward}  # contenders that replace each layer's forward
+
+
 class Router:
     """Routes a model's Linear4bit layers to one contender at a time."""
 
@@ -106,9 +109,9 @@ class Router:
             dropin.enable(self.model, fused=False)
         elif name == "unsloth":
             self.unsloth[0]()
-        elif name in (REFERENCE, FLOOR):
+        elif name in LAYER_FORWARDS:
             for layer in self.layers:
-                layer.forward = functools.partial(_reference_forward if name == REFERENCE else _floor_forward, layer)
+                layer.forward = functools.partial(LAYER_FORWARDS[name], layer)
         elif name != "bitsandbytes":
             raise ValueError(f"unknown contender {name!r}")
 

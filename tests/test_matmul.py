@@ -207,6 +207,10 @@ def test_routes_are_well_formed():
     assert route((9, 0), 1, 4096, 14336).config.mma and route((9, 0), 1, 4096, 4096).config.split_k == 16
     assert route((9, 0), 1, 4096, 1024).config.split_k == 16 and route((9, 0), 2, 4096, 4096).config.split_k == 8
     assert route((9, 0), 8, 4096, 1024).config.mma and route((9, 0), 64, 4096, 4096).config.mma
+    # the long-K layers at split 16 from 1 to 8 rows, 32 at 1 and 2 rows of 28672x8192 (NOTES.md item 85); not 8192x8192
+    assert [route((9, 0), m, 14336, 4096).config.split_k for m in (1, 4, 8, 16)] == [16, 16, 16, 8]
+    assert [route((9, 0), m, 28672, 8192).config.split_k for m in (1, 2, 3, 8)] == [32, 32, 16, 16]
+    assert route((9, 0), 1, 8192, 8192).config.split_k == 8 and route((9, 0), 8, 8192, 8192).config.split_k == 8
     assert route((9, 0), 32, 4096, 14336).config.wgmma and not route((9, 0), 32, 14336, 4096).config.wgmma
     assert route((9, 0), 8, 4096, 14336).config.words == 4 and route((9, 0), 32, 4096, 14336).config.words == 2
     assert not route((9, 0), 4, 4096, 14336).config.stage_x and route((9, 0), 8, 4096, 14336).config.stage_x
