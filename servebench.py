@@ -3,7 +3,7 @@ its Linear4bit layers computed by bitsandbytes, by the drop-in (with and without
 matmul) and by Unsloth's Linear4bit override, each step replayed from a CUDA graph.
 
     python servebench.py [--dtype bf16|fp16] [--layers 8] [--rounds 3] [--out results] [--model DIR]
-                         [--sections decode,prefill,share,train,curves,floor]
+                         [--sections decode,prefill,share,floor,compiled,train,curves] [--batches 1,8,32,64]
 
 Built as users load it: random weights saved locally, loaded through transformers'
 BitsAndBytesConfig (NF4, double quantization). Per contender, rounds interleaved (the order turns
@@ -20,15 +20,21 @@ each round), medians with p20/p80 over rounds:
 - the share of the GPU's kernel time spent in the 4-bit linears (profiler, eager step);
 - floor: decode again beside ``floor (bytes once)``, every 4-bit linear replaced by a kernel that only
   reads its packed codes and absmax once and writes zeros: what reading the bytes alone, one launch a
-  linear, allows this model (its tokens are not a generation).
+  linear, allows this model (its tokens are not a generation);
+- compiled: the floor section's decode with every decoder layer compiled by ``torch.compile``
+  (Inductor, ``fullgraph=True`` where it traces; a graph a layer, as the static cache is indexed by
+  the layer's number) before the capture, so the norms, rotary embedding, residuals and activation
+  fuse as a compiled server runs them.
 A contender whose step cannot be captured is timed eager, and its rows say so.
 """
 
 import argparse
+import contextlib
 import functools
 import os
 import time
 import traceback
+import types
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +60,8 @@ CONTENDERS = ("bitsandbytes", "nf4-triton", "nf4-triton (no fused matmul)", "uns
 TRAINING = ("bitsandbytes", "nf4-triton", "unsloth")  # the fused matmul serves no-grad calls only
 REFERENCE = "fp32 reference"
 FLOOR = bench_contenders.MATMUL_FLOOR
-SECTIONS = ("decode", "prefill", "share", "floor", "train", "curves")  # "train" adds LoRA: the inference sections first
+# "train" adds LoRA: the inference sections first
+SECTIONS = ("decode", "prefill", "share", "floor", "compiled", "train", "curves")
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,7 +90,23 @@ def _reference_forward(module, x):
 
 def _floor_forward(module, x):
     """The layer's bytes read once and a zero output (``bench_contenders.bytes_once``): no matmul."""
-    return bench_contenders.bytes_once(x, *quantstate.resolve(module.weight, module.weight.quant_state))
+    packed, state = quantstate.resolve(module.weight, module.weight.quant_state)
+    if torch.compiler.is_compiling():
+        return _floor_op(x, packed, state.absmax, state.shape[0], state.blocksize, state.nested)
+    return bench_contenders.bytes_once(x, packed, state)
+
+
+@torch.library.custom_op("nf4_triton_bench::floor", mutates_args=())
+def _floor_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, out_features: int, blocksize: int,
+              nested: bool) -> torch.Tensor:
+    """``bytes_once`` opaque to Inductor, which traced into the kernel and dropped it (NOTES item 86)."""
+    state = types.SimpleNamespace(shape=(out_features, x.shape[-1]), absmax=absmax, blocksize=blocksize, nested=nested)
+    return bench_contenders.bytes_once(x, packed, state)
+
+
+@_floor_op.register_fake
+def _floor_op_fake(x, packed, absmax, out_features, blocksize, nested):
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 LAYER_FORWARDS = {REFERENCE: _reference_forward, FLOOR: _floor_forward}  # contenders that replace each layer's forward
@@ -141,6 +164,41 @@ def capture(fn):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return graph.replay, output
+
+
+@contextlib.contextmanager
+def compiled_layers(model, fullgraph):
+    """Every decoder layer's call through ``torch.compile`` (``nn.Module.compile``), eager again on exit.
+    Dynamo's cache keeps every graph (its guards tell the contenders apart): a captured graph's kernels
+    must outlive the capture, and a cache past its limit would run eager unnoticed."""
+    layers = model.model.layers
+    torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 1024
+    for layer in layers:
+        layer.compile(fullgraph=fullgraph, dynamic=False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._compiled_call_impl = None
+
+
+def capture_compiled(model, fn):
+    """``capture(fn)`` with the decoder layers compiled, and how: (replay, output, timing); without
+    ``fullgraph`` where the graph does not trace whole, its first break named."""
+    how = "cuda graph, compiled"
+    for fullgraph in (True, False):
+        try:
+            with compiled_layers(model, fullgraph):
+                started = time.perf_counter()
+                replay, output = capture(fn)
+        except Exception as error:  # a graph break under fullgraph: compile again with the breaks
+            how = f"cuda graph, compiled with graph breaks ({type(error).__name__}: {str(error).splitlines()[0][:80]})"
+            continue
+        if replay is None:
+            return None, output, f"eager ({output})"
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        return replay, output, f"{how} in {time.perf_counter() - started:.0f} s ({graphs} graphs so far)"
+    raise RuntimeError(how)
 
 
 def gpu_seconds(fn, calls):
@@ -218,21 +276,23 @@ def _max_diff(a, b):
     return (a.float() - b.float()).abs().max().item()
 
 
-def _timed_contenders(names, router, model, fn, before=None):
+def _timed_contenders(names, router, model, fn, before=None, compiled=False):
     """Per contender: (call, its output tensor or None, how it is timed, peak bytes), ``fn`` captured
-    in a CUDA graph (eager where capture fails). ``before()`` readies the inputs before each capture."""
+    in a CUDA graph (eager where capture fails), with the decoder layers compiled where ``compiled``.
+    ``before()`` readies the inputs before each capture."""
     found = {}
     for name in names:
         router(model, name)
         torch.cuda.reset_peak_memory_stats()
         if before:
             before()
-        replay, output = capture(fn)
-        peak = torch.cuda.max_memory_allocated()
-        if replay is None:
-            found[name] = (fn, None, f"eager ({output})", peak)
+        if compiled:
+            replay, output, how = capture_compiled(model, fn)
         else:
-            found[name] = (replay, output, "cuda graph", peak)
+            replay, output = capture(fn)
+            how = "cuda graph" if replay is not None else f"eager ({output})"
+        found[name] = (fn if replay is None else replay, None if replay is None else output, how,
+                       torch.cuda.max_memory_allocated())
     return found
 
 
@@ -255,32 +315,36 @@ def _decode_rounds(names, router, model, decoder, timed, rounds):
     return steps, generations
 
 
-def bench_floor(model, router, dtype_name, rounds, meta, log):
-    """Decode tokens/s per batch for bitsandbytes, the drop-in and ``FLOOR`` in the same rounds."""
+def bench_floor(model, router, dtype_name, rounds, meta, log, batches=DECODE_BATCHES, compiled=False):
+    """Decode tokens/s per batch for bitsandbytes, the drop-in and ``FLOOR`` in the same rounds, with the
+    decoder layers compiled where ``compiled``."""
     names, rows = ["bitsandbytes", "nf4-triton", FLOOR], []
-    for batch in DECODE_BATCHES:
+    kind = "decode compiled" if compiled else "decode floor"
+    for batch in batches:
         decoder = Decoder(model, batch)
         with torch.no_grad():
-            timed = _timed_contenders(names, router, model, decoder.step, before=decoder.prefill)
-            steps = _decode_rounds(names, router, model, decoder, timed, rounds)[0]
+            timed = _timed_contenders(names, router, model, decoder.step, before=decoder.prefill, compiled=compiled)
+            steps, generations = _decode_rounds(names, router, model, decoder, timed, rounds)
         bnb = bench_timing.summarize(steps["bitsandbytes"])[0]
         for name in names:
             median = bench_timing.summarize(steps[name])[0]
-            rows.append(_row(meta, "decode floor", dtype_name, f"{batch}x{PROMPT}+{NEW_TOKENS}", name, steps[name],
+            rows.append(_row(meta, kind, dtype_name, f"{batch}x{PROMPT}+{NEW_TOKENS}", name, steps[name],
                              tokens_per_s=batch / median, speedup_over_bitsandbytes=bnb / median,
-                             timing=timed[name][2], peak_mib=timed[name][3] / 2**20))
-        log(f"decode floor {dtype_name} batch {batch}: " + ", ".join(
+                             timing=timed[name][2], peak_mib=timed[name][3] / 2**20,
+                             tokens_equal_bitsandbytes=(generations[name][0] == generations["bitsandbytes"][0])
+                             .float().mean().item()))
+        log(f"{kind} {dtype_name} batch {batch}: " + ", ".join(
             f"{r['implementation']} {r['tokens_per_s']:.0f} tok/s ({r['speedup_over_bitsandbytes']:.2f}x, "
-            f"{r['timing'][:10]})" for r in rows[-len(names):]))
+            f"{r['timing']})" for r in rows[-len(names):]))
         del decoder, timed
         torch.cuda.empty_cache()
     return rows
 
 
-def bench_decode(model, router, names, dtype_name, rounds, meta, log):
+def bench_decode(model, router, names, dtype_name, rounds, meta, log, batches=DECODE_BATCHES):
     """Decode tokens/s per batch under CUDA graphs, the generations and the logits' agreement."""
     rows = []
-    for batch in DECODE_BATCHES:
+    for batch in batches:
         decoder = Decoder(model, batch)
         with torch.no_grad():
             timed = _timed_contenders(names, router, model, decoder.step, before=decoder.prefill)
@@ -413,16 +477,16 @@ def linear_share(model, fn):
     return (inside / total if total else 0.0), total / 1e3, len(spans), top
 
 
-def bench_share(model, router, names, dtype_name, meta, log):
-    """``linear_share`` of a decode step at every batch of ``DECODE_BATCHES`` and of a 1x128 and a 1x512
-    prefill, per contender."""
+def bench_share(model, router, names, dtype_name, meta, log, batches=DECODE_BATCHES):
+    """``linear_share`` of a decode step at every batch of ``batches`` and of a 1x128 and a 1x512 prefill,
+    per contender."""
     rows = []
-    decoders = {batch: Decoder(model, batch) for batch in DECODE_BATCHES}
+    decoders = {batch: Decoder(model, batch) for batch in batches}
     cases = {f"decode {batch}": (decoder, decoder.step) for batch, decoder in decoders.items()}
     for length in (128, 512):
         ids = torch.randint(0, model.config.vocab_size, (1, length), device="cuda",
                             generator=torch.Generator("cuda").manual_seed(6))
-        cases[f"prefill 1x{length}"] = (decoders[1], lambda ids=ids: model(input_ids=ids, logits_to_keep=1))
+        cases[f"prefill 1x{length}"] = (next(iter(decoders.values())), lambda ids=ids: model(input_ids=ids, logits_to_keep=1))
     with torch.no_grad():
         for name in names:
             router(model, name)
@@ -474,9 +538,11 @@ def loss_curves(model, router, names, dtype_name, meta, log):
     return rows
 
 
-def run(dtype_name, layers, rounds, model_folder, meta, log=print, with_unsloth=False, sections=SECTIONS):
-    """The ``sections`` (``SECTIONS``) for one dtype; returns CSV rows. ``with_unsloth``: import Unsloth
-    (which patches transformers for every contender) and time its Linear4bit override too."""
+def run(dtype_name, layers, rounds, model_folder, meta, log=print, with_unsloth=False, sections=SECTIONS,
+        batches=DECODE_BATCHES):
+    """The ``sections`` (``SECTIONS``) for one dtype, decoding at ``batches``; returns CSV rows.
+    ``with_unsloth``: import Unsloth (which patches transformers for every contender) and time its
+    Linear4bit override too."""
     size = f"4096x14336 x{layers} layers"
     meta = dict(meta, model=size)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
@@ -492,14 +558,15 @@ def run(dtype_name, layers, rounds, model_folder, meta, log=print, with_unsloth=
     log(f"{len(router.layers)} Linear4bit layers, {layers} decoder layers, vocab {model.config.vocab_size}")
     training = list(dict.fromkeys(name for name in TRAINING if name in names))
     bodies = {
-        "decode": lambda: bench_decode(model, router, names, dtype_name, rounds, meta, log),
+        "decode": lambda: bench_decode(model, router, names, dtype_name, rounds, meta, log, batches),
         "prefill": lambda: bench_prefill(model, router, names, dtype_name, rounds, meta, log),
-        "share": lambda: bench_share(model, router, names, dtype_name, meta, log),
+        "share": lambda: bench_share(model, router, names, dtype_name, meta, log, batches),
         "train": lambda: modelbench.bench_train(modelbench.add_lora(model), size, dtype_name, rounds,
                                                 dict.fromkeys(training), meta, log, tokens=TRAIN_TOKENS,
                                                 route_to=router),
         "curves": lambda: loss_curves(model, router, training, dtype_name, meta, log),
-        "floor": lambda: bench_floor(model, router, dtype_name, rounds, meta, log),
+        "floor": lambda: bench_floor(model, router, dtype_name, rounds, meta, log, batches),
+        "compiled": lambda: bench_floor(model, router, dtype_name, rounds, meta, log, batches, compiled=True),
     }
     rows = []
     for section in (bodies[name] for name in SECTIONS if name in sections):
@@ -527,6 +594,7 @@ def main(argv=None):
     parser.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "nf4-triton-serve-model"),
                         help="where the random model is saved (reused when there)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"a subset of {','.join(SECTIONS)}")
+    parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes")
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
     if not set(sections) <= set(SECTIONS):
@@ -541,7 +609,7 @@ def main(argv=None):
                 unsloth_version=metadata.version("unsloth") if args.unsloth else "not imported")
     print(meta)
     rows = run(args.dtype, args.layers, args.rounds, f"{args.model}-{args.layers}", meta, with_unsloth=args.unsloth,
-               sections=sections)
+               sections=sections, batches=[int(batch) for batch in args.batches.split(",")])
     folder = bench_results.results_folder(args.out)
     os.makedirs(folder, exist_ok=True)
     layers = "" if args.layers == LAYERS else f"_{args.layers}layers"  # the charts read the default size's files

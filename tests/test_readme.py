@@ -85,7 +85,7 @@ def serve(dtype, layers=""):
              for row in rows(os.path.join(H100, f"serve_{dtype}{layers}.csv"))}
     speedup = {key: float(found[key[:2] + ("bitsandbytes",)]["median_ms"]) / float(row["median_ms"])
                for key, row in found.items()
-               if key[0] in ("decode", "decode floor", "prefill", "qlora-step", "qlora-step-checkpointed")}
+               if key[0] in ("decode", "decode floor", "decode compiled", "prefill", "qlora-step", "qlora-step-checkpointed")}
     return found, speedup
 
 
@@ -95,8 +95,8 @@ FLOOR = "floor (bytes once)"  # bench_contenders.MATMUL_FLOOR
 
 
 def test_serving_headline_is_the_results():
-    """The first table: bf16 ratios and tokens/s of the drop-in, decode (and its floor) and prefill with all
-    32 layers, the QLoRA steps with 8; fp16 within 0.04x of them, the floor's included."""
+    """The first table: bf16 ratios and tokens/s of the drop-in, decode (its floor, compiled) and prefill with
+    all 32 layers, the QLoRA steps with 8; fp16 within 0.04x of them, the floor's included."""
     first = tables(readme())[0]
     assert first[0] == ["bf16 (fp16 within 0.04x)", "drop-in over bitsandbytes' own layers"]
     found, speedup = serve("bf16", "_32layers")
@@ -106,11 +106,14 @@ def test_serving_headline_is_the_results():
     _, train_fp16 = serve("fp16")
     ours = "nf4-triton"
     labels = [row[0] for row in first[1:]]
-    assert [label.split(",")[:2] for label in labels[:4]] == [["decode", " 32 layers"], ["decode floor", " 32 layers"],
-                                                             ["prefill", " 32 layers"], ["QLoRA step 4x1024", " 8 layers"]]
-    decode, floor, prefill, train, fsdp = (row[1] for row in first[1:])
+    assert [label.split(",")[:2] for label in labels[:5]] == [
+        ["decode", " 32 layers"], ["decode floor", " 32 layers"], ["decode compiled", " 32 layers"],
+        ["prefill", " 32 layers"], ["QLoRA step 4x1024", " 8 layers"]]
+    decode, floor, compiled, prefill, train, fsdp = (row[1] for row in first[1:])
     assert decimals(decode) == [f"{speedup['decode', t, ours]:.2f}" for t in DECODE]
-    for cell, kind, name in ((decode, "decode", ours), (floor, "decode floor", FLOOR)):
+    assert decimals(compiled)[:4] == [f"{speedup['decode compiled', t, ours]:.2f}" for t in DECODE]
+    assert compiled.endswith(f"the floor at batch 1: {speedup['decode compiled', DECODE[0], FLOOR]:.2f}x")
+    for cell, kind, name in ((decode, "decode", ours), (floor, "decode floor", FLOOR), (compiled, "decode compiled", ours)):
         assert re.findall(r"\((.*) tokens/s\)", cell)[0] == " / ".join(
             f"{float(found[kind, t, name]['tokens_per_s']):.0f}" for t in DECODE)
     assert decimals(floor) == [f"{speedup['decode floor', t, FLOOR]:.2f}" for t in DECODE]
@@ -121,7 +124,7 @@ def test_serving_headline_is_the_results():
     assert all(abs(train_fp16[kind, "4x1024", ours] - train_speedup[kind, "4x1024", ours]) <= 0.04 for kind in training)
     assert all(trained[kind, "4x1024", ours]["loss_equal_bitsandbytes"] == "True" for kind in training)
     real = "4096x14336x8@2x2048"
-    assert first[5][0] == ("FSDP QLoRA step on two H100s, the same 8 layers, 2x2048 tokens a rank, 20 interleaved steps "
+    assert first[6][0] == ("FSDP QLoRA step on two H100s, the same 8 layers, 2x2048 tokens a rank, 20 interleaved steps "
                            "(not graphs), FSDP2 / FSDP1")
     assert decimals(fsdp) == [f"{fsdp_speedups(flavour)[real, 'bitsandbytes']:.2f}" for flavour in (2, 1)]
     # "within bitsandbytes' own run-to-run spread": the drop-in's losses no further from bitsandbytes' first run
@@ -156,6 +159,21 @@ def test_serving_table_is_the_results(header, layers):
                 assert f"{speedup[kind, tokens, name]:.2f}x" in cell, (kind, tokens, name)
             if "MiB" in cell:
                 assert f"{float(measured['peak_mib']):.0f} MiB" in cell
+
+
+def test_compiled_table_is_the_results():
+    """The compiled decode table (bf16, all 32 layers): every cell from the CSV, the floor where it ran."""
+    (table,) = [table for table in tables(readme()) if table[0][0] == "decode, 32 layers, compiled"]
+    assert table[0][1:] == ["bitsandbytes", "drop-in", FLOOR]
+    found, speedup = serve("bf16", "_32layers")
+    assert len(table) - 1 == len(DECODE)
+    for tokens, row in zip(DECODE, table[1:]):
+        for name, cell in zip(["bitsandbytes", "nf4-triton", FLOOR], row[1:]):
+            key = ("decode compiled", tokens, name)
+            assert bool(cell) == (key in found), key
+            if cell:
+                assert re.findall(r"\d+", cell)[0] == f"{float(found[key]['tokens_per_s']):.0f}", key
+                assert name == "bitsandbytes" or f"({speedup[key]:.2f}x)" in cell, key
 
 
 def test_headline_table_is_the_results():
