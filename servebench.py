@@ -172,14 +172,14 @@ def compiled_layers(model, fullgraph):
     Dynamo's cache keeps every graph (its guards tell the contenders apart): a captured graph's kernels
     must outlive the capture, and a cache past its limit would run eager unnoticed."""
     layers = model.model.layers
-    torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 1024
-    for layer in layers:
-        layer.compile(fullgraph=fullgraph, dynamic=False)
-    try:
-        yield
-    finally:
+    with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=1024):
         for layer in layers:
-            layer._compiled_call_impl = None
+            layer.compile(fullgraph=fullgraph, dynamic=False)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer._compiled_call_impl = None
 
 
 def capture_compiled(model, fn):
