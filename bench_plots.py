@@ -134,6 +134,8 @@ def plot_serve(folder):
     written = [_save_with_legend_below(plt, fig, axes, os.path.join(folder, "serve.png"), run_line(meta), ncol=None,
                                        fontsize=9, bottom=0.06, dpi=90)]
     losses = frame[frame["kind"] == "loss"]
+    if losses.empty:  # a run without the curves section (servebench.py --sections)
+        return written
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
     for ax, dtype in zip(axes.flat, dtypes):
         for name, curve in losses[losses["dtype"] == dtype].groupby("implementation", sort=False):

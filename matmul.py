@@ -289,6 +289,7 @@ class MatmulConfig(typing.NamedTuple):
     fold: bool = False  # mma.py with split_k > 1: the tile's last program adds the partial sums (no second kernel)
     wgmma: bool = False  # mma.py on sm_90: warp-group MMA over x's tile in shared memory (num_warps a multiple of 4)
     prefetch: bool = False  # mma.py: each step's loads issued during the step before
+    unroll: int = 1  # mma.py: K steps in one unrolled loop body (the largest divisor of a program's steps up to this)
 
 
 class Route(typing.NamedTuple):
@@ -341,14 +342,18 @@ TL_ROUTES.update({capability: TL_DEFAULT_ROUTES for capability in ((7, 5), (8, 0
 # 3.6.0, CUDA-graph GPU time per call), us for bitsandbytes / dequantize + cuBLAS / the tl kernel's
 # route (NOTES.md item 77) / mma.py's with x staged in shared memory (items 78, 80; one round each):
 _MMA_TILE = C(8, 64, 256, 8, True, 4, mma=True)._replace  # the 8-row tile, varied below
+_UNSTAGED = _MMA_TILE(split_k=4, words=4, stage_x=False)  # 1 to 4 rows of the widest layers
 # sm_90's warp-group MMA from 32 rows, loads a step ahead (item 82): 4 warps, 64 weight rows by 128 columns, split 4
 _WGMMA_TILE = C(128, 64, 128, 4, True, 4, mma=True, wgmma=True, prefetch=True)._replace
 MATMUL_ROUTES = {
     (9, 0): (
         # 1 to 4 rows, each warp reading its x fragments (item 81), against x staged: 20.6 / 21.0 / 22.6 against 23.6 /
         # 23.6 / 23.7 at 4096x14336, 69.8 / 71.6 / 77.2 against 80.4 / 81.0 / 81.2 at 8192x28672; 26.7 against 24.2
-        # at 8 rows
-        Route(4, "fused", _MMA_TILE(split_k=4, words=4, stage_x=False), min_weight=56 * _M, min_out=14336),
+        # at 8 rows. 8192x28672 unrolled (item 87): 71.9 / 73.0 against 69.7 / 71.0 at 1 / 2 rows, so not there
+        Route(4, "fused", _UNSTAGED, min_weight=128 * _M, min_out=14336),
+        # 4096x14336, 512 columns a step, the loop unrolled (item 87): 20.0 / 20.8 against 20.8 / 21.2 at 1 / 2 rows
+        Route(2, "fused", _UNSTAGED._replace(block_k=512, unroll=4), min_weight=56 * _M, min_in=4096, min_out=14336),
+        Route(4, "fused", _UNSTAGED, min_weight=56 * _M, min_out=14336),
         # 4 words a thread (16-byte loads, 64 registers against 79): 1 and 8 rows of 4096x14336 29.5 / 67.0 against
         # 23.3 / 23.9 at split 4 (2 words at split 8: 24.8 / 26.1)
         Route(8, "fused", _MMA_TILE(split_k=4, words=4), min_weight=56 * _M, min_out=14336),
@@ -357,13 +362,17 @@ MATMUL_ROUTES = {
         # 4 / 8 rows; 82.2 / 83.1 against 80.9 / 81.6 at 1 / 2 rows, so not there (nor on 4096x14336: 24.5 against 24.4)
         # Splits 2 to 32 (item 85, split_sweep.log): 74.4 / 76.4 at 1 / 2 rows at split 32 against split 4's 81.4 /
         # 82.4; 80.9 / 81.8 at 4 / 8 rows at split 16 against split 8's 82.5 / 83.0 (split 32 80.5 / 83.2)
+        # 512 columns a step, the loop unrolled (item 87): 72.7 / 74.7 against 74.8 / 76.6 at 1 / 2 rows
+        Route(2, "fused", _MMA_TILE(block_k=512, split_k=32, words=4, stage_x=False, unroll=4), min_weight=128 * _M),
         Route(2, "fused", _MMA_TILE(split_k=32, words=4, stage_x=False), min_weight=128 * _M),
         Route(8, "fused", _MMA_TILE(split_k=16, words=4, fold=True), min_weight=128 * _M),
         # 14336x4096, 1 to 4 rows: 24.4 / 24.6 / 25.3 against 25.9 / 25.9 / 26.0 staged, folded 23.5 / 24.0 / 24.5;
         # one row: 30.0 / 100.2 at 14336x4096 for bitsandbytes / dequantize + cuBLAS. Split 16 (item 85): 20.9 / 21.8 /
         # 23.3 / 24.7 at 1 / 2 / 4 / 8 rows against split 8's 23.6 / 24.0 / 24.7 / 25.6 (split 32: 23.1 / 24.3 /
         # 26.0 / 26.5); K of 14336 and more only, the 70B's 8192x8192 not swept
-        Route(4, "fused", _MMA_TILE(split_k=16, words=4, stage_x=False, fold=True), min_weight=56 * _M, min_in=14336),
+        # the loop unrolled (item 87): 19.4 / 20.7 / 22.6 against 20.9 / 21.9 / 23.3 at 1 / 2 / 4 rows
+        Route(4, "fused", _MMA_TILE(split_k=16, words=4, stage_x=False, fold=True, unroll=4), min_weight=56 * _M,
+              min_in=14336),
         Route(8, "fused", _MMA_TILE(split_k=16, words=4, fold=True), min_weight=56 * _M, min_in=14336),
         Route(4, "fused", _MMA_TILE(words=4, stage_x=False, fold=True), min_weight=56 * _M),
         # one row of 4096x4096: 10.8 / 25.5 / - / 8.9 at split 16 of 128 columns, unstaged (split 8 of 256, staged:
@@ -373,7 +382,9 @@ MATMUL_ROUTES = {
         # (11.0). Folded: 25.7 against 26.4, 10.4 against 11.3 (2 to 8 rows: 0.5 to 1.2 us less)
         Route(8, "fused", _MMA_TILE(words=4, fold=True), min_weight=16 * _M),
         # below 16M weights split 16 (item 83): 5.4 / 6.0 / 6.4 us at 1 / 2 / 8 rows of 4096x1024 against split 8's
-        # 6.4 / 6.7 / 6.9; bitsandbytes 7.1 / 9.3 / 17.5
+        # 6.4 / 6.7 / 6.9; bitsandbytes 7.1 / 9.3 / 17.5. 8 warps and 128 weight rows at 1 and 2 rows (item 87): 5.3 /
+        # 6.0 against 5.5 / 6.1
+        Route(2, "fused", _MMA_TILE(block_n=128, split_k=16, num_warps=8, words=4, fold=True)),
         Route(8, "fused", _MMA_TILE(split_k=16, words=4, fold=True)),
         # 16 rows: 67.8 / 100.4 / 49.5 / 29.7 at 4096x14336 (2 words 30.6); 124.6 / 100.3 / - / 29.0 at 14336x4096
         # (4 words 31.4); 37.5 / 26.1 / - / 12.0 at 4096x4096 (12.1); 17.4 / 11.4 / - / 7.7 at 4096x1024 (8.4)
@@ -438,10 +449,12 @@ def routes_for(capability, routes=None):
 
 def choose_route(capability, rows, in_features, out_features, routes=None):
     """The Route for ``rows`` rows of x against an (out_features, in_features) weight on a GPU of
-    ``capability``, from ``routes`` (``routes_for``): a pure function of the five."""
+    ``capability``, from ``routes`` (``routes_for``): a pure function of the five. A route of more than
+    256 columns a step is passed over where they do not divide K, for the 256-column route after it."""
     for route in routes_for(capability, routes):
         if (rows <= route.max_rows and in_features * out_features >= route.min_weight and in_features >= route.min_in
-                and out_features >= route.min_out):
+                and out_features >= route.min_out
+                and (route.config is None or route.config.block_k <= 256 or in_features % route.config.block_k == 0)):
             return route
     return _DEQUANTIZE
 
@@ -510,6 +523,11 @@ def split_taken(steps, split_k):
     """The split a call runs: the largest divisor of its BLOCK_K steps up to the route's ``split_k``, so that
     every program takes whole steps (56 steps of 14336 at split 16 run as 14 splits of 4)."""
     return max(split for split in range(1, split_k + 1) if steps % split == 0)
+
+
+def unroll_taken(steps_per_split, unroll):
+    """The steps a call's loop body holds: the largest divisor of a program's steps up to the route's ``unroll``."""
+    return split_taken(steps_per_split, unroll)
 
 
 def split_k_scratch(device, elements, tiles, capturing):
@@ -584,7 +602,8 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
         kernel_fn = mma.nf4_mma_kernel
         args = head + (out if partials is None else partials, out if counters is None else counters, m, n, k,
                        x2d.stride(0))
-        options.update(FOLD=fold, STAGE_X=config.stage_x, PREFETCH=config.prefetch, **mma.layout_constexprs(
+        options.update(FOLD=fold, STAGE_X=config.stage_x, PREFETCH=config.prefetch,
+                       UNROLL=unroll_taken(steps // split_k, config.unroll), **mma.layout_constexprs(
             config.num_warps, config.block_n, config.block_k, config.block_m, config.words, config.wgmma))
     else:
         kernel_fn = nf4_matmul_kernel

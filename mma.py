@@ -217,6 +217,7 @@ if AVAILABLE:
         STAGE_X: gl.constexpr,  # x's tile through shared memory, else each warp's fragments from global memory
         WGMMA: gl.constexpr,  # sm_90's warp-group MMA, x's tile its shared operand (STAGE_X unused)
         PREFETCH: gl.constexpr,  # a step's loads issued during the step before
+        UNROLL: gl.constexpr,  # steps of the K loop in one unrolled body (a divisor of STEPS_PER_SPLIT)
         W_LAYOUT: gl.constexpr,  # layouts(...)[0]
         X_LAYOUT: gl.constexpr,  # layouts(...)[1]
         MMA: gl.constexpr,  # layouts(...)[2]
@@ -272,60 +273,62 @@ if AVAILABLE:
             words, absmax, absmax2 = _step_loads(word_ptrs, block, row_block, absmax_ptr, absmax2_ptr, first * BLOCK_K,
                                                  BLOCKSIZE, BLOCKSIZE2, NESTED, BLOCK_K)
             x = gl.load(x_ptrs + first * BLOCK_K, mask=x_mask, other=0.0)
-        for step in range(STEPS_PER_SPLIT):
-            k0 = (first + step) * BLOCK_K
-            if not PREFETCH:
-                words, absmax, absmax2 = _step_loads(word_ptrs, block, row_block, absmax_ptr, absmax2_ptr, k0,
-                                                     BLOCKSIZE, BLOCKSIZE2, NESTED, BLOCK_K)
-                if WGMMA:
-                    x = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
-            if WGMMA:  # x's tile stored before the next step's loads: the proxy fence waits for the thread's loads
-                _barrier()  # every warp group's wgmma of the last step has read the tile
-                x_tile.store(_mma_order(x, BLOCK_M, BLOCK_K, WORDS))
-                fence_async_shared()  # the stores visible to wgmma's reads
-                _barrier()
-            if PREFETCH:  # the last step loads itself again: in bounds, unused
-                k_next = (first + gl.minimum(step + 1, STEPS_PER_SPLIT - 1)) * BLOCK_K
-                next_words, next_absmax, next_absmax2 = _step_loads(word_ptrs, block, row_block, absmax_ptr,
-                                                                    absmax2_ptr, k_next, BLOCKSIZE, BLOCKSIZE2,
-                                                                    NESTED, BLOCK_K)
-                next_x = gl.load(x_ptrs + k_next, mask=x_mask, other=0.0)
-            if NESTED:  # kernel.py's absmax decode: code2[absmax] * absmax2 (ftz), + offset; code2 stays in L1
-                scale = gl.inline_asm_elementwise(
-                    "{.reg .f32 t; mul.rn.ftz.f32 t, $1, $2; add.rn.f32 $0, t, $3;}", "=r,r,r,r",
-                    [gl.load(code2_ptr + absmax.to(gl.int32)), absmax2, offset], dtype=gl.float32, is_pure=True,
-                    pack=1)
-            else:
-                scale = absmax
-            codes = words >> shifts  # the shuffle reads bits 4:0: nibble j, and a bit of the next
-            if X_DTYPE == gl.bfloat16:
-                weights = gl.inline_asm_elementwise(
-                    "{.reg .b32 a, b; shfl.sync.idx.b32 a, $3, $1, 0x1f, -1; shfl.sync.idx.b32 b, $4, $2, 0x1f, -1;"
-                    " mul.rn.ftz.f32 a, a, $5; mul.rn.ftz.f32 b, b, $6; cvt.rn.bf16x2.f32 $0, b, a;}",
-                    "=r,r,r,r,r,r,r", [codes, entry, scale], dtype=gl.bfloat16, is_pure=True, pack=2)
-            else:
-                weights = gl.inline_asm_elementwise(
-                    "{.reg .b32 a, b; shfl.sync.idx.b32 a, $3, $1, 0x1f, -1; shfl.sync.idx.b32 b, $4, $2, 0x1f, -1;"
-                    " mul.rn.ftz.f32 a, a, $5; mul.rn.ftz.f32 b, b, $6; cvt.rn.f16x2.f32 $0, b, a;}",
-                    "=r,r,r,r,r,r,r", [codes, entry, scale], dtype=gl.float16, is_pure=True, pack=2)
-            a = gl.convert_layout(_mma_order(weights, BLOCK_N, BLOCK_K, WORDS), gl.DotOperandLayout(0, MMA, 2),
-                                  assert_trivial=True)
-            if WGMMA:
-                acc = warpgroup_mma(a, x_tile.permute((1, 0)), acc)
-            else:
+        for outer in range(STEPS_PER_SPLIT // UNROLL):
+            for inner in gl.static_range(UNROLL):  # UNROLL steps in one body: loads hoisted past the last step's math
+                step = outer * UNROLL + inner
+                k0 = (first + step) * BLOCK_K
                 if not PREFETCH:
-                    x = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
-                if STAGE_X:
-                    _barrier()  # every warp has read the last step's tile
-                    x_tile.store(x)
+                    words, absmax, absmax2 = _step_loads(word_ptrs, block, row_block, absmax_ptr, absmax2_ptr, k0,
+                                                         BLOCKSIZE, BLOCKSIZE2, NESTED, BLOCK_K)
+                    if WGMMA:
+                        x = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
+                if WGMMA:  # x's tile stored before the next step's loads: the proxy fence waits for the thread's loads
+                    _barrier()  # every warp group's wgmma of the last step has read the tile
+                    x_tile.store(_mma_order(x, BLOCK_M, BLOCK_K, WORDS))
+                    fence_async_shared()  # the stores visible to wgmma's reads
                     _barrier()
-                    x = gl.convert_layout(gl.reshape(x_tile.load(X_FRAGMENTS), [BLOCK_M, CHUNKS, 4, WORDS, 8]),
-                                          X_LAYOUT, assert_trivial=True)
-                b = gl.convert_layout(gl.permute(_mma_order(x, BLOCK_M, BLOCK_K, WORDS), [1, 0]),
-                                      gl.DotOperandLayout(1, MMA, 2), assert_trivial=True)
-                acc = mma_v2(a, b, acc)
-            if PREFETCH:
-                words, absmax, absmax2, x = next_words, next_absmax, next_absmax2, next_x
+                if PREFETCH:  # the last step loads itself again: in bounds, unused
+                    k_next = (first + gl.minimum(step + 1, STEPS_PER_SPLIT - 1)) * BLOCK_K
+                    next_words, next_absmax, next_absmax2 = _step_loads(word_ptrs, block, row_block, absmax_ptr,
+                                                                        absmax2_ptr, k_next, BLOCKSIZE, BLOCKSIZE2,
+                                                                        NESTED, BLOCK_K)
+                    next_x = gl.load(x_ptrs + k_next, mask=x_mask, other=0.0)
+                if NESTED:  # kernel.py's absmax decode: code2[absmax] * absmax2 (ftz), + offset; code2 stays in L1
+                    scale = gl.inline_asm_elementwise(
+                        "{.reg .f32 t; mul.rn.ftz.f32 t, $1, $2; add.rn.f32 $0, t, $3;}", "=r,r,r,r",
+                        [gl.load(code2_ptr + absmax.to(gl.int32)), absmax2, offset], dtype=gl.float32, is_pure=True,
+                        pack=1)
+                else:
+                    scale = absmax
+                codes = words >> shifts  # the shuffle reads bits 4:0: nibble j, and a bit of the next
+                if X_DTYPE == gl.bfloat16:
+                    weights = gl.inline_asm_elementwise(
+                        "{.reg .b32 a, b; shfl.sync.idx.b32 a, $3, $1, 0x1f, -1; shfl.sync.idx.b32 b, $4, $2, 0x1f, -1;"
+                        " mul.rn.ftz.f32 a, a, $5; mul.rn.ftz.f32 b, b, $6; cvt.rn.bf16x2.f32 $0, b, a;}",
+                        "=r,r,r,r,r,r,r", [codes, entry, scale], dtype=gl.bfloat16, is_pure=True, pack=2)
+                else:
+                    weights = gl.inline_asm_elementwise(
+                        "{.reg .b32 a, b; shfl.sync.idx.b32 a, $3, $1, 0x1f, -1; shfl.sync.idx.b32 b, $4, $2, 0x1f, -1;"
+                        " mul.rn.ftz.f32 a, a, $5; mul.rn.ftz.f32 b, b, $6; cvt.rn.f16x2.f32 $0, b, a;}",
+                        "=r,r,r,r,r,r,r", [codes, entry, scale], dtype=gl.float16, is_pure=True, pack=2)
+                a = gl.convert_layout(_mma_order(weights, BLOCK_N, BLOCK_K, WORDS), gl.DotOperandLayout(0, MMA, 2),
+                                      assert_trivial=True)
+                if WGMMA:
+                    acc = warpgroup_mma(a, x_tile.permute((1, 0)), acc)
+                else:
+                    if not PREFETCH:
+                        x = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
+                    if STAGE_X:
+                        _barrier()  # every warp has read the last step's tile
+                        x_tile.store(x)
+                        _barrier()
+                        x = gl.convert_layout(gl.reshape(x_tile.load(X_FRAGMENTS), [BLOCK_M, CHUNKS, 4, WORDS, 8]),
+                                              X_LAYOUT, assert_trivial=True)
+                    b = gl.convert_layout(gl.permute(_mma_order(x, BLOCK_M, BLOCK_K, WORDS), [1, 0]),
+                                          gl.DotOperandLayout(1, MMA, 2), assert_trivial=True)
+                    acc = mma_v2(a, b, acc)
+                if PREFETCH:
+                    words, absmax, absmax2, x = next_words, next_absmax, next_absmax2, next_x
 
         n = gl.expand_dims(pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA)), 1)
         m = gl.expand_dims(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA)), 0)

@@ -57,7 +57,8 @@ def compile_variant(capability, x_dtype, config):
 
         fn, make_source = mma.nf4_mma_kernel, GluonASTSource
         signature.update(out_ptr=f"*{name}", partial_ptr="*fp32", counter_ptr="*i32")
-        constexprs.update(STAGE_X=config.stage_x, FOLD=config.fold and split_k > 1, PREFETCH=config.prefetch)
+        constexprs.update(STAGE_X=config.stage_x, FOLD=config.fold and split_k > 1, PREFETCH=config.prefetch,
+                          UNROLL=matmul.unroll_taken(steps // split_k, config.unroll))
         constexprs.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m,
                                                 config.words, config.wgmma))
     else:

@@ -81,6 +81,18 @@ def test_charts_from_results(tmp_path):
     assert all(os.path.getsize(path) > 10_000 for path in written)
 
 
+def test_serve_charts_without_the_loss_curves(tmp_path):
+    """A servebench run of a few sections (``--sections decode --batches 1``) charts what it measured."""
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("matplotlib")
+    rows = pd.read_csv(os.path.join(RESULTS, "serve_bf16.csv"))
+    rows[rows["kind"] == "decode"].to_csv(tmp_path / "serve_bf16.csv", index=False)
+    written = bench_plots.plot_serve(str(tmp_path))
+    assert [os.path.basename(path) for path in written] == ["serve.png"]
+    shutil.copy(os.path.join(RESULTS, "serve_bf16.csv"), tmp_path / "serve_bf16.csv")
+    assert [os.path.basename(path) for path in bench_plots.plot_serve(str(tmp_path))] == ["serve.png", "serve_losses.png"]
+
+
 def test_best_launch_config_from_the_sweep():
     """The notebooks' pick: the all-on configuration with the smallest geometric-mean slowdown, read
     from the sweep's rows (a faster configuration with the inline PTX off is not a candidate)."""

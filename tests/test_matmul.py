@@ -211,6 +211,15 @@ def test_routes_are_well_formed():
     assert [route((9, 0), m, 14336, 4096).config.split_k for m in (1, 4, 8, 16)] == [16, 16, 16, 8]
     assert [route((9, 0), m, 28672, 8192).config.split_k for m in (1, 2, 3, 8)] == [32, 32, 16, 16]
     assert route((9, 0), 1, 8192, 8192).config.split_k == 8 and route((9, 0), 8, 8192, 8192).config.split_k == 8
+    # the loop unrolled at 1 to 2 rows (1 to 4 of 14336x4096), 512 columns a step where they divide K (item 87)
+    wide = route((9, 0), 1, 4096, 14336).config
+    assert wide == route((9, 0), 3, 4096, 14336).config._replace(block_k=512, unroll=4) == route((9, 0), 2, 4096, 14336).config
+    assert route((9, 0), 3, 4096, 14336).config.unroll == 1 and route((9, 0), 1, 8192, 28672).config.unroll == 1
+    assert route((9, 0), 1, 4352, 14336).config == route((9, 0), 3, 4096, 14336).config  # 512 columns do not divide K
+    assert route((9, 0), 1, 3584, 18944).config == route((9, 0), 3, 4096, 14336).config  # measured from K = 4096 only
+    assert [route((9, 0), m, 14336, 4096).config.unroll for m in (1, 4, 8)] == [4, 4, 1]
+    assert route((9, 0), 1, 28672, 8192).config == route((9, 0), 1, 28416, 8192).config._replace(block_k=512, unroll=4)
+    assert route((9, 0), 1, 4096, 1024).config.num_warps == 8 and route((9, 0), 8, 4096, 1024).config.num_warps == 4
     assert route((9, 0), 32, 4096, 14336).config.wgmma and not route((9, 0), 32, 14336, 4096).config.wgmma
     assert route((9, 0), 8, 4096, 14336).config.words == 4 and route((9, 0), 32, 4096, 14336).config.words == 2
     assert not route((9, 0), 4, 4096, 14336).config.stage_x and route((9, 0), 8, 4096, 14336).config.stage_x
