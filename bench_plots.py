@@ -113,6 +113,8 @@ def plot_serve(folder):
     if not paths:
         return []
     frame = pd.concat([pd.read_csv(path) for path in paths], ignore_index=True)
+    if not frame["kind"].isin(["decode", "prefill", "qlora-step", "qlora-step-checkpointed"]).any():
+        return []  # a run of sections these charts do not draw (servebench.py --sections merged)
     dtypes = list(dict.fromkeys(frame["dtype"]))
     meta = frame.iloc[0]
     fig, axes = plt.subplots(2, len(dtypes), figsize=(6 * len(dtypes), 9), squeeze=False)

@@ -19,6 +19,10 @@ NF4 matmul where it is the fastest (on the H100 from 1 to 256 rows, to 128 or 25
 layer's size; NOTES.md items 77, 82, 83). It decodes W to the same values; only
 the order of the fp32 sums differs from bitsandbytes', so logits there agree to the last bits, not
 bit for bit (NOTES.md item 73).
+``enable(model, merge=True)`` also computes the projections a module reads from one input (``SIBLINGS``:
+q, k and v; gate and up) in one launch where ``matmul.group_config`` allows: the first one's call
+computes all, and each other takes its own when it is called with that same x (any other x computes
+its own). NOTES.md item 88.
 ``enable(model, fused=False)`` keeps bitsandbytes' arithmetic everywhere. Where bitsandbytes
 computes an inference input with its own fused 4-bit matmul (its GEMV at one row, its small-batch
 kernel, chosen by its own per-GPU rule) and the route is not the fused kernel, that op is kept,
@@ -37,8 +41,8 @@ import matmul
 import quantstate
 from fastpath import device_facts
 
-__all__ = ["enable", "disable", "is_enabled", "fused_route", "bitsandbytes_forward", "bitsandbytes_rule", "bitsandbytes_fuses",
-           "bitsandbytes_fused_matmul"]
+__all__ = ["enable", "disable", "is_enabled", "siblings_of", "Siblings", "SIBLINGS", "fused_route", "bitsandbytes_forward",
+           "bitsandbytes_rule", "bitsandbytes_fuses", "bitsandbytes_fused_matmul"]
 
 # Where a routed forward sits on a module: `forward`, or `_old_forward`, the forward that Accelerate's
 # hooks (device_map, offloading) save and call, so that a hook stays outside.
@@ -51,15 +55,21 @@ def _linear4bit_type():
     return bnb.nn.Linear4bit
 
 
-def enable(model, dequantize=None, fused=True):
+# The projections a module computes from one input, by their attribute names (Llama, Mistral, Qwen,
+# Gemma and their PEFT wrappers): ``enable(model, merge=True)`` launches each set once.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def enable(model, dequantize=None, fused=True, merge=False):
     """Route every ``bitsandbytes.nn.Linear4bit`` in ``model`` (itself included) whose forward is
     bitsandbytes' own through the kernel; return how many layers are routed now. Calling it again
     routes them as that call says. ``dequantize(packed, quant_state)``: another dequantization to
     route through (benchmarks). ``fused``: inference rows through the fused matmul where its route
-    picks it; False keeps bitsandbytes' bits everywhere."""
+    picks it; False keeps bitsandbytes' bits everywhere. ``merge`` (with ``fused``): ``SIBLINGS`` in
+    one launch each."""
     linear4bit = _linear4bit_type()
     dequantize = dequantize or kernel.dequantize_nf4
-    routed = 0
+    routed = []
     for module in model.modules():
         # A routed layer is routed again: through the dequantize this call names, as its caller expects.
         slot = _routed_slot(module) or (_own_forward_slot(module) if isinstance(module, linear4bit) else None)
@@ -67,9 +77,54 @@ def enable(model, dequantize=None, fused=True):
             continue
         # A partial of a module-level function, not a bound method of a name the class lacks: it
         # pickles (torch.save of the model) and deep-copies with its module.
-        setattr(module, slot, functools.partial(_routed_forward, module, dequantize, fused))
-        routed += 1
-    return routed
+        setattr(module, slot, functools.partial(_routed_forward, module, dequantize, fused, None))
+        routed.append(module)
+    if merge and fused:
+        for module in model.modules():
+            for names in SIBLINGS:
+                layers = [_base_layer(getattr(module, name, None)) for name in names]
+                if all(layer is not None and any(layer is r for r in routed) for layer in layers):
+                    siblings = Siblings(layers)
+                    for index, layer in enumerate(layers):
+                        setattr(layer, _routed_slot(layer),
+                                functools.partial(_routed_forward, layer, dequantize, fused, (siblings, index)))
+    return len(routed)
+
+
+def siblings_of(module):
+    """(``Siblings``, the layer's index) where ``enable(model, merge=True)`` merged this routed layer, else None."""
+    slot = _routed_slot(module)
+    return module.__dict__[slot].args[3] if slot else None
+
+
+def _base_layer(child):
+    """The Linear4bit a child computes through: itself, or a PEFT LoRA layer's base layer; else None."""
+    if child is not None and not isinstance(child, _linear4bit_type()):
+        child = getattr(child, "base_layer", None)
+    return child if isinstance(child, _linear4bit_type()) else None
+
+
+class Siblings:
+    """Projections of one module merged: their layers, and the outputs the first one's call computed for
+    the others, until each takes its own."""
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.x = None  # the input they were computed from
+        self.outputs = None  # tuple, None where taken
+
+    def take(self, index, x):
+        """Member ``index``'s output computed from this very ``x``, or None."""
+        if self.x is not x or self.outputs[index] is None:
+            return None
+        y = self.outputs[index]
+        self.outputs = self.outputs[:index] + (None,) + self.outputs[index + 1:]
+        if all(output is None for output in self.outputs):
+            self.x = self.outputs = None
+        return y
+
+    def hold(self, x, outputs):
+        self.x, self.outputs = x, (None,) + tuple(outputs[1:])
 
 
 def _own_forward_slot(module):
@@ -150,16 +205,21 @@ def bitsandbytes_fuses(x, dtype, quant_state):
     return fused(x.device.index, dtype, m, quant_state.shape[0], k)
 
 
-def _routed_forward(module, dequantize, fused_matmul, x, *args, **kwargs):
+def _quant_state(module):
+    """A Linear4bit's quant state: its weight's, or where FSDP's flat parameters replaced the
+    Params4bit with a plain view of its bytes, the module's (bitsandbytes keeps it there too; its own
+    forward wraps the view again, we only read it)."""
+    quant_state = getattr(module.weight, "quant_state", None)
+    return quant_state if quant_state is not None else getattr(module, "quant_state", None)
+
+
+def _routed_forward(module, dequantize, fused_matmul, siblings, x, *args, **kwargs):
     """Linear4bit.forward with the weight dequantized by ``dequantize``, or inference rows through
-    the fused matmul (see the module docstring). The checks that hand a call back to bitsandbytes
-    come first: they cost every one-token call."""
+    the fused matmul (see the module docstring); ``siblings``: (``Siblings``, this layer's index)
+    where merged. The checks that hand a call back to bitsandbytes come first: they cost every
+    one-token call."""
     weight = module.weight
-    quant_state = getattr(weight, "quant_state", None)
-    if quant_state is None:
-        # FSDP's flat parameters replace the Params4bit with a plain view of its bytes; bitsandbytes
-        # keeps the state on the module too (its own forward wraps the view again, we only read it).
-        quant_state = getattr(module, "quant_state", None)
+    quant_state = _quant_state(module)
     # bitsandbytes' CPU layout: its forward repacks a CPU weight in place for its AVX512-BF16 kernel
     # on its first inference call, a format only that forward reads, so it computes such a layer.
     if quant_state is None or args or kwargs or (x.is_cpu and getattr(quant_state, "packing_format_for_cpu", False)):
@@ -170,6 +230,16 @@ def _routed_forward(module, dequantize, fused_matmul, x, *args, **kwargs):
     dtype = module.compute_dtype or x.dtype
     bias = module.bias
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    if siblings is not None and not needs_grad:
+        group, index = siblings
+        y = group.take(index, x)
+        if y is None and index == 0:
+            outputs = _merged_outputs(group, x, dtype)
+            if outputs is not None:
+                group.hold(x, outputs)
+                y = outputs[0]
+        if y is not None:
+            return y
     route = fused_route(x, quant_state) if fused_matmul and not needs_grad and quant_state.dtype is dtype else None
     fused = (route is None and not needs_grad and not torch.compiler.is_compiling()
              and bitsandbytes_fuses(x, dtype, quant_state))
@@ -190,6 +260,24 @@ def _routed_forward(module, dequantize, fused_matmul, x, *args, **kwargs):
     else:  # no graph to record: the autograd Function's bookkeeping would be host time alone
         y = F.linear(compute_x, _weight(dequantize, packed, quant_state), bias)
     return y if y.dtype is x.dtype else y.to(x.dtype)
+
+
+def _merged_outputs(group, x, dtype):
+    """Every member's output from ``x`` in one launch (``matmul.group_config``), in x's dtype, or None:
+    a member with a bias, another compute dtype or a quant state not in it, or no such launch."""
+    states = []
+    for layer in group.layers:
+        quant_state = _quant_state(layer)
+        if (quant_state is None or layer.bias is not None or (layer.compute_dtype or x.dtype) is not dtype
+                or quant_state.dtype is not dtype):
+            return None
+        states.append(quantstate.resolve(layer.weight, quant_state))
+    x2d = (x if x.dtype is dtype else x.to(dtype)).reshape(-1, x.shape[-1])
+    config = matmul.group_config(x2d, states)
+    if config is None:
+        return None
+    outputs = matmul.linear_group_by_config(x2d, states, config)
+    return [y.reshape(*x.shape[:-1], y.shape[1]).to(x.dtype) for y in outputs]
 
 
 def fused_route(x, quant_state):

@@ -36,9 +36,9 @@ import quantstate
 from fastpath import INTERPRET, device_facts, jit, sum_combine
 from kernel import TL_DTYPE, add_rn, decode, fp32_to_bf16_rne, lookup, mul_ftz
 
-__all__ = ["nf4_linear", "linear_by_route", "route_taken", "decoded_weight", "choose_route", "Route", "MatmulConfig",
-           "MATMUL_ROUTES", "TL_ROUTES", "routes_for", "mma_runs_on", "mma_supported", "LAUNCHES", "nf4_matmul_kernel",
-           "split_k_reduce_kernel"]
+__all__ = ["nf4_linear", "nf4_linear_group", "group_config", "linear_group_by_config", "linear_by_route",
+           "route_taken", "decoded_weight", "choose_route", "Route", "MatmulConfig", "MATMUL_ROUTES", "TL_ROUTES",
+           "routes_for", "mma_runs_on", "mma_supported", "LAUNCHES", "nf4_matmul_kernel", "split_k_reduce_kernel"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -551,8 +551,11 @@ def split_k_scratch(device, elements, tiles, capturing):
 
 
 def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2, nested, fp4, config,
-                 use_asm=None, bf16_via_int=None):
-    """Launch the fused matmul (and the split-K reduction, where not folded) for validated arguments."""
+                 use_asm=None, bf16_via_int=None, members=()):
+    """Launch the fused matmul (and the split-K reduction, where not folded) for validated arguments.
+    ``members``: (packed, tables, out) of up to two more weights of the same format read by the same x
+    (mma.py, no bias, their rows after this weight's, ``n`` the rows of all): one launch where its
+    split-K sum folds, else one launch each."""
     absmax, code, absmax2, code2, offset = tables
     if packed.data_ptr() % 4:
         packed = packed.clone()  # int32 word loads need 4-byte alignment; a fresh allocation has it
@@ -574,11 +577,16 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
         partials, counters = split_k_scratch(x2d.device, split_k * m * n,
                                              grid[0] * grid[1] if config.mma and config.fold else 0, capturing)
     fold = counters is not None
+    if members and split_k > 1 and not fold:  # no counters left for the group's tiles: one launch a weight
+        for packed_j, tables_j, out_j in ((packed, tables, out),) + tuple(members):
+            launch_fused(x2d, packed_j, tables_j, None, out_j, n=out_j.shape[1], k=k, blocksize=blocksize,
+                         blocksize2=blocksize2, nested=nested, fp4=fp4, config=config)
+        return out
     # what a repeated call replaces besides x: mma.py's output, the tl kernel's output or partial sums
     target = out if config.mma or split_k == 1 else partials
     device = x2d.device.index
     key = None
-    if (not INTERPRET and fastpath.ENABLED and not fastpath.launch_hooks_active()
+    if (not INTERPRET and fastpath.ENABLED and not fastpath.launch_hooks_active() and not members
             and torch._C._cuda_getDevice() == device and not capturing):
         key = (device, x2d.dtype, m, n, k, x2d.stride(0), x2d.data_ptr() % 16, out.data_ptr() % 16, packed.data_ptr(),
                absmax.data_ptr(), code.data_ptr(), absmax2.data_ptr(), code2.data_ptr(), offset.data_ptr(),
@@ -600,10 +608,14 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
                    USE_INT64=n * k > 2**31 - 1, num_warps=config.num_warps)
     if config.mma:
         kernel_fn = mma.nf4_mma_kernel
+        weights = ((packed, tables, out),) + tuple(members)
+        padded = weights + (weights[0],) * (3 - len(weights))  # absent members: never read
         args = head + (out if partials is None else partials, out if counters is None else counters, m, n, k,
-                       x2d.stride(0))
+                       x2d.stride(0), out.shape[1], padded[1][2].shape[1] if members else 0)
+        for packed_j, tables_j, out_j in padded[1:]:
+            args += (packed_j if packed_j.data_ptr() % 4 == 0 else packed_j.clone(), *tables_j, out_j)
         options.update(FOLD=fold, STAGE_X=config.stage_x, PREFETCH=config.prefetch,
-                       UNROLL=unroll_taken(steps // split_k, config.unroll), **mma.layout_constexprs(
+                       UNROLL=unroll_taken(steps // split_k, config.unroll), MEMBERS=len(weights), **mma.layout_constexprs(
             config.num_warps, config.block_n, config.block_k, config.block_m, config.words, config.wgmma))
     else:
         kernel_fn = nf4_matmul_kernel
@@ -667,6 +679,16 @@ def nf4_linear(x, weight, quant_state=None, bias=None):
     decodes it, rounded once to x's dtype; only the order of the fp32 sums differs from
     ``F.linear(x, W)``. ``bias``: (out,) in x's dtype, or None (a module's own bias is not taken).
     """
+    packed, qs, out_features, in_features = _validated(x, weight, quant_state, bias)
+    rows = x.numel() // in_features if in_features else 0
+    capability = device_facts(x.device)[0]
+    route = choose_route(capability, rows, in_features, out_features)
+    return linear_by_route(x, packed, qs, bias, route)
+
+
+def _validated(x, weight, quant_state, bias):
+    """(packed, quant_state, out_features, in_features) of ``nf4_linear``'s arguments, or a ValueError
+    naming what is wrong."""
     packed, qs = quantstate.resolve(weight, quant_state)
     _require(isinstance(x, torch.Tensor), f"x must be a tensor, got {type(x).__name__}")
     _require(isinstance(packed, torch.Tensor), f"weight must be a tensor, Params4bit or Linear4bit, got {type(weight).__name__}")
@@ -684,10 +706,66 @@ def nf4_linear(x, weight, quant_state=None, bias=None):
                  f"bias must be a tensor of shape ({out_features},), got {getattr(bias, 'shape', bias)!r}")
         _require(bias.dtype == x.dtype, f"bias must be {x.dtype} like x, got {bias.dtype}")
         _require(bias.device == x.device, f"bias is on {bias.device} but x is on {x.device}")
-    rows = x.numel() // in_features if in_features else 0
-    capability = device_facts(x.device)[0]
-    route = choose_route(capability, rows, in_features, out_features)
-    return linear_by_route(x, packed, qs, bias, route)
+    return packed, qs, out_features, in_features
+
+
+def nf4_linear_group(x, weights):
+    """``[nf4_linear(x, weight) for weight in weights]`` (no bias), in one launch of the fused kernel
+    where ``group_config`` allows it: the projections a layer reads from one input, such as q, k and v
+    or gate and up. Each output equals that weight's alone through the same tile; the tile is the
+    route's for the rows of all (NOTES.md item 88)."""
+    _require(1 <= len(weights) <= 3, f"weights must be 1 to 3 layers, got {len(weights)}")
+    states = [_validated(x, weight, None, None)[:2] for weight in weights]
+    lead, in_features = x.shape[:-1], x.shape[-1]
+    x2d = x.reshape(-1, in_features)
+    config = group_config(x2d, states)
+    if config is None:
+        return [nf4_linear(x, weight) for weight in weights]
+    return [y.reshape(*lead, y.shape[1]) for y in linear_group_by_config(x2d, states, config)]
+
+
+def group_config(x2d, states):
+    """The MatmulConfig of one launch over several weights [(packed, quant_state)] read by ``x2d``, or None
+    where that launch is not mma.py's route for their rows together, their formats or input features
+    differ, or a weight but the last has rows the tile does not divide; split-K folded."""
+    if len(states) < 2 or x2d.numel() == 0 or not x2d.is_cuda or INTERPRET:
+        return None
+    formats = []
+    for packed, qs in states:
+        if len(qs.shape) != 2 or int(qs.shape[1]) != x2d.shape[1]:
+            return None
+        layout = quantstate.check_state(packed, qs)
+        formats.append(layout[1:4] + (qs.quant_type, layout[4][1].dtype, packed.device))
+    rows = [int(qs.shape[0]) for _, qs in states]
+    route = choose_route(device_facts(x2d.device)[0], x2d.shape[0], x2d.shape[1], sum(rows))
+    config = route.config
+    if (route.path != "fused" or not config.mma or len(set(formats)) != 1 or formats[0][-1] != x2d.device
+            or not _fused_supported(formats[0][0], x2d.shape[1], x2d)
+            or not mma_supported(x2d, x2d.shape[1], formats[0][0], config)
+            or any(count % config.block_n for count in rows[:-1])):
+        return None
+    return config._replace(fold=True) if split_taken(x2d.shape[1] // config.block_k, config.split_k) > 1 else config
+
+
+def linear_group_by_config(x2d, states, config):
+    """The outputs (rows, out_j) of ``x2d`` against each weight [(packed, quant_state)], one launch with
+    ``config`` (from ``group_config``)."""
+    if x2d.stride(-1) != 1 or (x2d.shape[0] > 1 and x2d.stride(0) < x2d.shape[1]):
+        x2d = x2d.contiguous()
+    layouts = [quantstate.check_state(packed, qs) for packed, qs in states]
+    _, blocksize, nested, blocksize2, _ = layouts[0]
+    rows = [int(qs.shape[0]) for _, qs in states]
+    fp4 = states[0][1].quant_type == "fp4"
+    packed = [p.view(torch.uint8) for p, _ in states]
+    if torch.compiler.is_compiling():
+        columns = [[layout[4][i] for layout in layouts] for i in range(5)]
+        return torch.ops.nf4_triton.linear_group(x2d, packed, *columns, rows, blocksize, blocksize2, nested, fp4,
+                                                 [int(value) for value in config])
+    outs = [torch.empty((x2d.shape[0], count), dtype=x2d.dtype, device=x2d.device) for count in rows]
+    launch_fused(x2d, packed[0], layouts[0][4], None, outs[0], n=sum(rows), k=x2d.shape[1], blocksize=blocksize,
+                 blocksize2=blocksize2, nested=nested, fp4=fp4, config=config,
+                 members=tuple((p, layout[4], out) for p, layout, out in zip(packed[1:], layouts[1:], outs[1:])))
+    return outs
 
 
 def linear_by_route(x, packed, qs, bias, route):
@@ -787,3 +865,36 @@ def _linear_op_fake(x, packed, absmax, code, absmax2, code2, offset, bias, out_f
 
 _linear_custom_op = torch.library.custom_op("nf4_triton::linear", _linear_op, mutates_args=())
 _linear_custom_op.register_fake(_linear_op_fake)
+
+
+def _linear_group_op(
+    x: torch.Tensor,
+    packed: list[torch.Tensor],
+    absmax: list[torch.Tensor],
+    code: list[torch.Tensor],
+    absmax2: list[torch.Tensor],
+    code2: list[torch.Tensor],
+    offset: list[torch.Tensor],
+    out_features: list[int],
+    blocksize: int,
+    blocksize2: int,
+    nested: bool,
+    fp4: bool,
+    config: list[int],
+) -> list[torch.Tensor]:
+    """``linear_group_by_config``'s launch as an operator (inputs validated by ``nf4_linear_group``)."""
+    outs = [torch.empty((x.shape[0], count), dtype=x.dtype, device=x.device) for count in out_features]
+    tables = list(zip(absmax, code, absmax2, code2, offset))
+    launch_fused(x, packed[0], tables[0], None, outs[0], n=sum(out_features), k=x.shape[1], blocksize=blocksize,
+                 blocksize2=blocksize2, nested=nested, fp4=fp4, config=_config_of(config),
+                 members=tuple(zip(packed[1:], tables[1:], outs[1:])))
+    return outs
+
+
+def _linear_group_op_fake(x, packed, absmax, code, absmax2, code2, offset, out_features, blocksize, blocksize2,
+                          nested, fp4, config):
+    return [x.new_empty((x.shape[0], count)) for count in out_features]
+
+
+_linear_group_custom_op = torch.library.custom_op("nf4_triton::linear_group", _linear_group_op, mutates_args=())
+_linear_group_custom_op.register_fake(_linear_group_op_fake)

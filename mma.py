@@ -26,6 +26,10 @@ where from 32 rows mma.sync's rate and x's fragment reads bound the product. ``P
 step's loads during the step before (after x's store and its proxy fence, which waits for every
 load a thread has in flight).
 
+Up to three weights read by the same x (``MEMBERS``: q, k and v, or gate and up) run as one launch,
+their rows one after another in the output tiles; each program takes its member's pointers by its
+rows, so every member's sums are those it would get alone with the same tile.
+
 Needs Gluon's ``mma_v2`` and linear layouts (Triton 3.6 on), sm_80 on (``WGMMA``: sm_90), fp16 or bf16 x, K a
 multiple of the tile's columns and blocks of at least a thread's 8 W columns; ``matmul.py``
 routes the rest to its ``tl`` kernel.
@@ -190,14 +194,22 @@ if AVAILABLE:
         offset_ptr,  # fp32 [1] (NESTED only)
         bias_ptr,  # [N] in x's dtype (HAS_BIAS only)
         # outputs
-        out_ptr,  # [M, N] in x's dtype (where SPLIT_K > 1, written here with FOLD only)
+        out_ptr,  # [M, N] in x's dtype (member 0's [M, rows0]; where SPLIT_K > 1, written here with FOLD only)
         partial_ptr,  # fp32 [SPLIT_K, M, N], each program's partial sums (SPLIT_K > 1)
         counter_ptr,  # int32, one per output tile: its programs that have stored; zero before and after (FOLD)
         # sizes
         M,  # rows of x
-        N,  # output features (rows of the weight)
+        N,  # output features (rows of the weight, of all members)
         K,  # input features, a multiple of BLOCK_K
         stride_xm,  # elements between rows of x
+        # more weights read by the same x, one launch (MEMBERS > 1): member j's rows follow member j - 1's
+        # in the output tiles, each a multiple of BLOCK_N but the last; this call's weight is member 0
+        rows0,  # weight rows of member 0
+        rows1,  # weight rows of member 1 (member 2 has the rest of N)
+        m1_packed_ptr, m1_absmax_ptr, m1_code_ptr, m1_absmax2_ptr, m1_code2_ptr, m1_offset_ptr,  # member 1's
+        m1_out_ptr,  # [M, rows1] member 1's output (SPLIT_K == 1 or FOLD)
+        m2_packed_ptr, m2_absmax_ptr, m2_code_ptr, m2_absmax2_ptr, m2_code2_ptr, m2_offset_ptr,  # member 2's
+        m2_out_ptr,  # [M, N - rows0 - rows1] member 2's output
         # format
         BLOCKSIZE: gl.constexpr,  # elements per absmax (a power of two >= 16)
         BLOCKSIZE2: gl.constexpr,  # absmax values per absmax2 (NESTED only)
@@ -218,6 +230,7 @@ if AVAILABLE:
         WGMMA: gl.constexpr,  # sm_90's warp-group MMA, x's tile its shared operand (STAGE_X unused)
         PREFETCH: gl.constexpr,  # a step's loads issued during the step before
         UNROLL: gl.constexpr,  # steps of the K loop in one unrolled body (a divisor of STEPS_PER_SPLIT)
+        MEMBERS: gl.constexpr,  # weights in this launch, 1 to 3 (no bias where more than 1)
         W_LAYOUT: gl.constexpr,  # layouts(...)[0]
         X_LAYOUT: gl.constexpr,  # layouts(...)[1]
         MMA: gl.constexpr,  # layouts(...)[2]
@@ -231,9 +244,25 @@ if AVAILABLE:
         pid_k = gl.program_id(2)
         first = pid_k * STEPS_PER_SPLIT
 
-        # The weight's indices, [BLOCK_N, CHUNKS, 4, WORDS, 8] once broadcast. Rows past N read row
-        # N - 1 (no masks in the loop); their sums are not stored.
-        row = gl.minimum(pid_n * BLOCK_N + _along(BLOCK_N, 0, W_LAYOUT), N - 1)
+        # This program's member: its first row among the output's, its rows, its weight and output.
+        member_start = pid_n * 0
+        member_rows = N + 0
+        out_base = out_ptr
+        if MEMBERS > 1:
+            if pid_n * BLOCK_N < rows0:
+                member_rows = rows0 + 0
+            elif MEMBERS == 2 or pid_n * BLOCK_N < rows0 + rows1:
+                member_start, member_rows, out_base = rows0 + 0, rows1 + 0, m1_out_ptr
+                packed_ptr, absmax_ptr, code_ptr = m1_packed_ptr, m1_absmax_ptr, m1_code_ptr
+                absmax2_ptr, code2_ptr, offset_ptr = m1_absmax2_ptr, m1_code2_ptr, m1_offset_ptr
+            else:
+                member_start, member_rows, out_base = rows0 + rows1, N - rows0 - rows1, m2_out_ptr
+                packed_ptr, absmax_ptr, code_ptr = m2_packed_ptr, m2_absmax_ptr, m2_code_ptr
+                absmax2_ptr, code2_ptr, offset_ptr = m2_absmax2_ptr, m2_code2_ptr, m2_offset_ptr
+
+        # The weight's indices, [BLOCK_N, CHUNKS, 4, WORDS, 8] once broadcast. Rows past the member's
+        # read its last row (no masks in the loop); their sums are not stored.
+        row = gl.minimum(pid_n * BLOCK_N - member_start + _along(BLOCK_N, 0, W_LAYOUT), member_rows - 1)
         if USE_INT64:
             row = row.to(gl.int64)
         chunk = _along(CHUNKS, 1, W_LAYOUT)
@@ -346,9 +375,9 @@ if AVAILABLE:
                         total += gl.load(partial + split * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
                     if HAS_BIAS:
                         total += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
-                    gl.store(out_ptr + m * N + n, total.to(X_DTYPE), mask=out_mask)
+                    gl.store(out_base + m * member_rows + (n - member_start), total.to(X_DTYPE), mask=out_mask)
                     gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero for the next launch
         else:
             if HAS_BIAS:
                 acc += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
-            gl.store(out_ptr + m * N + n, acc.to(X_DTYPE), mask=out_mask)
+            gl.store(out_base + m * member_rows + (n - member_start), acc.to(X_DTYPE), mask=out_mask)

@@ -3,7 +3,7 @@ its Linear4bit layers computed by bitsandbytes, by the drop-in (with and without
 matmul) and by Unsloth's Linear4bit override, each step replayed from a CUDA graph.
 
     python servebench.py [--dtype bf16|fp16] [--layers 8] [--rounds 3] [--out results] [--model DIR]
-                         [--sections decode,prefill,share,floor,compiled,train,curves] [--batches 1,8,32,64]
+                         [--sections decode,prefill,share,floor,compiled,merged,train,curves] [--batches 1,8,32,64]
 
 Built as users load it: random weights saved locally, loaded through transformers'
 BitsAndBytesConfig (NF4, double quantization). Per contender, rounds interleaved (the order turns
@@ -24,7 +24,9 @@ each round), medians with p20/p80 over rounds:
 - compiled: the floor section's decode with every decoder layer compiled by ``torch.compile``
   (Inductor, ``fullgraph=True`` where it traces; a graph a layer, as the static cache is indexed by
   the layer's number) before the capture, so the norms, rotary embedding, residuals and activation
-  fuse as a compiled server runs them.
+  fuse as a compiled server runs them;
+- merged: decode, under CUDA graphs and compiled, beside ``nf4-triton (merged)``: ``dropin.enable(model,
+  merge=True)``, q|k|v and gate|up one launch each (not in the default sections' other contenders).
 A contender whose step cannot be captured is timed eager, and its rows say so.
 """
 
@@ -57,11 +59,12 @@ TRAIN_TOKENS = (4, 1024)
 CURVE_STEPS = 50
 CURVE_TOKENS = (2, 512)
 CONTENDERS = ("bitsandbytes", "nf4-triton", "nf4-triton (no fused matmul)", "unsloth")
+MERGED = "nf4-triton (merged)"  # dropin.enable(model, merge=True): q|k|v and gate|up one launch each
 TRAINING = ("bitsandbytes", "nf4-triton", "unsloth")  # the fused matmul serves no-grad calls only
 REFERENCE = "fp32 reference"
 FLOOR = bench_contenders.MATMUL_FLOOR
 # "train" adds LoRA: the inference sections first
-SECTIONS = ("decode", "prefill", "share", "floor", "compiled", "train", "curves")
+SECTIONS = ("decode", "prefill", "share", "floor", "compiled", "merged", "train", "curves")
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,6 +131,8 @@ class Router:
             layer.__dict__.pop("forward", None)
         if name == "nf4-triton":
             dropin.enable(self.model)
+        elif name == MERGED:
+            dropin.enable(self.model, merge=True)
         elif name == "nf4-triton (no fused matmul)":
             dropin.enable(self.model, fused=False)
         elif name == "unsloth":
@@ -318,8 +323,24 @@ def _decode_rounds(names, router, model, decoder, timed, rounds):
 def bench_floor(model, router, dtype_name, rounds, meta, log, batches=DECODE_BATCHES, compiled=False):
     """Decode tokens/s per batch for bitsandbytes, the drop-in and ``FLOOR`` in the same rounds, with the
     decoder layers compiled where ``compiled``."""
-    names, rows = ["bitsandbytes", "nf4-triton", FLOOR], []
-    kind = "decode compiled" if compiled else "decode floor"
+    return _decode_side_by_side(model, router, ["bitsandbytes", "nf4-triton", FLOOR],
+                                "decode compiled" if compiled else "decode floor", dtype_name, rounds, meta, log,
+                                batches, compiled)
+
+
+def bench_merged(model, router, dtype_name, rounds, meta, log, batches=DECODE_BATCHES):
+    """Decode tokens/s per batch for bitsandbytes, the drop-in and the drop-in with ``MERGED``'s projections in
+    one launch each, in the same rounds: under CUDA graphs, then with the decoder layers compiled."""
+    names = ["bitsandbytes", "nf4-triton", MERGED]
+    return (_decode_side_by_side(model, router, names, "decode merged", dtype_name, rounds, meta, log, batches)
+            + _decode_side_by_side(model, router, names, "decode merged compiled", dtype_name, rounds, meta, log,
+                                   batches, compiled=True))
+
+
+def _decode_side_by_side(model, router, names, kind, dtype_name, rounds, meta, log, batches, compiled=False):
+    """Decode tokens/s per batch for ``names`` in the same rounds, with the decoder layers compiled where
+    ``compiled``; rows of ``kind``."""
+    rows = []
     for batch in batches:
         decoder = Decoder(model, batch)
         with torch.no_grad():
@@ -567,6 +588,7 @@ def run(dtype_name, layers, rounds, model_folder, meta, log=print, with_unsloth=
         "curves": lambda: loss_curves(model, router, training, dtype_name, meta, log),
         "floor": lambda: bench_floor(model, router, dtype_name, rounds, meta, log, batches),
         "compiled": lambda: bench_floor(model, router, dtype_name, rounds, meta, log, batches, compiled=True),
+        "merged": lambda: bench_merged(model, router, dtype_name, rounds, meta, log, batches),
     }
     rows = []
     for section in (bodies[name] for name in SECTIONS if name in sections):

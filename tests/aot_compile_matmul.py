@@ -56,9 +56,13 @@ def compile_variant(capability, x_dtype, config):
         from triton.experimental.gluon._runtime import GluonASTSource
 
         fn, make_source = mma.nf4_mma_kernel, GluonASTSource
-        signature.update(out_ptr=f"*{name}", partial_ptr="*fp32", counter_ptr="*i32")
+        signature.update(out_ptr=f"*{name}", partial_ptr="*fp32", counter_ptr="*i32", rows0="i32", rows1="i32")
+        for member in ("m1", "m2"):  # the members of a group launch (MEMBERS 1 here: unread)
+            signature.update({f"{member}_packed_ptr": "*u8", f"{member}_absmax_ptr": "*u8", f"{member}_code_ptr": "*fp32",
+                              f"{member}_absmax2_ptr": "*fp32", f"{member}_code2_ptr": "*fp32",
+                              f"{member}_offset_ptr": "*fp32", f"{member}_out_ptr": f"*{name}"})
         constexprs.update(STAGE_X=config.stage_x, FOLD=config.fold and split_k > 1, PREFETCH=config.prefetch,
-                          UNROLL=matmul.unroll_taken(steps // split_k, config.unroll))
+                          UNROLL=matmul.unroll_taken(steps // split_k, config.unroll), MEMBERS=1)
         constexprs.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m,
                                                 config.words, config.wgmma))
     else:

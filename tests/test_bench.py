@@ -82,10 +82,13 @@ def test_charts_from_results(tmp_path):
 
 
 def test_serve_charts_without_the_loss_curves(tmp_path):
-    """A servebench run of a few sections (``--sections decode --batches 1``) charts what it measured."""
+    """A servebench run of a few sections (``--sections decode --batches 1``) charts what it measured;
+    one of sections the charts do not draw (``--sections merged``) draws none."""
     pd = pytest.importorskip("pandas")
     pytest.importorskip("matplotlib")
     rows = pd.read_csv(os.path.join(RESULTS, "serve_bf16.csv"))
+    rows[rows["kind"] == "decode"].assign(kind="decode merged").to_csv(tmp_path / "serve_bf16.csv", index=False)
+    assert bench_plots.plot_serve(str(tmp_path)) == []
     rows[rows["kind"] == "decode"].to_csv(tmp_path / "serve_bf16.csv", index=False)
     written = bench_plots.plot_serve(str(tmp_path))
     assert [os.path.basename(path) for path in written] == ["serve.png"]

@@ -558,3 +558,110 @@ def test_fused_op_gets_bitsandbytes_arguments(nested, device, monkeypatch):
         got = dropin.bitsandbytes_fused_matmul(x, layer.weight.data, state, bias)
         expected = bnb.matmul_4bit(x, layer.weight, quant_state=state, bias=bias)
     assert_bit_exact(got, expected)
+
+
+# ---- projections merged into one launch (enable(model, merge=True)) --------------------------
+class Projections(torch.nn.Module):
+    """q, k and v and gate and up read one input, o reads another: named as in Llama."""
+
+    def __init__(self, device, dtype, seed=40):
+        super().__init__()
+        for offset, (name, out_features) in enumerate((("q_proj", 256), ("k_proj", 128), ("v_proj", 128),
+                                                       ("o_proj", 512), ("gate_proj", 384), ("up_proj", 384))):
+            setattr(self, name, linear4bit((out_features, 512), dtype=dtype, device=device, seed=seed + offset)[0])
+
+    def forward(self, x):  # no arithmetic between them: compiled, each output is what the layer gives
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        return torch.cat([mixed, self.o_proj(mixed), self.gate_proj(x), self.up_proj(x)], -1)
+
+
+def test_merge_groups_the_projections(device):
+    """q, k and v share one group and gate and up another, in order; o stands alone; enabling again
+    without merge, or disabling, drops the groups. Wherever no launch merges (the CPU), outputs are
+    the unmerged drop-in's."""
+    model = Projections(device, torch.bfloat16)
+    x = torch.randn(3, 512, dtype=torch.bfloat16, device=device)
+    assert dropin.enable(model) == 6
+    with torch.no_grad():
+        unmerged = model(x)
+    assert dropin.enable(model, merge=True) == 6
+    attention = [dropin.siblings_of(getattr(model, name)) for name in ("q_proj", "k_proj", "v_proj")]
+    mlp = [dropin.siblings_of(getattr(model, name)) for name in ("gate_proj", "up_proj")]
+    assert [index for _, index in attention] == [0, 1, 2] and [index for _, index in mlp] == [0, 1]
+    assert len({id(group) for group, _ in attention}) == 1 and len({id(group) for group, _ in mlp}) == 1
+    assert attention[0][0].layers == [model.q_proj, model.k_proj, model.v_proj]
+    assert dropin.siblings_of(model.o_proj) is None
+    if device == "cpu":
+        with torch.no_grad():
+            assert_bit_exact(model(x), unmerged)
+    dropin.enable(model)
+    assert all(dropin.siblings_of(layer) is None for layer in model.children())
+    assert dropin.disable(model) == 6
+
+
+def test_merge_finds_peft_base_layers(device):
+    """Under PEFT LoRA the base layers of q, k and v are the group's members."""
+    peft = pytest.importorskip("peft")
+    model = Projections(device, torch.bfloat16)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"])
+    model = peft.get_peft_model(model, config)
+    dropin.enable(model, merge=True)
+    base = model.base_model.model
+    group, index = dropin.siblings_of(base.q_proj.base_layer)
+    assert index == 0 and group.layers == [base.q_proj.base_layer, base.k_proj.base_layer, base.v_proj.base_layer]
+
+
+def test_siblings_hand_out_only_what_their_input_computed():
+    """A held output goes to its own member, once, and only for the very input it was computed from."""
+    group = dropin.Siblings([None, None, None])
+    x, other = torch.ones(2), torch.ones(2)
+    outputs = [torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)]
+    group.hold(x, outputs)
+    assert group.take(0, x) is None  # the first member's own call returned it already
+    assert group.take(1, other) is None  # equal values, another tensor
+    assert group.take(1, x) is outputs[1] and group.take(1, x) is None
+    assert group.take(2, x) is outputs[2]
+    assert group.x is None and group.outputs is None  # nothing held once all are taken
+
+
+def member_alone(layer, x, config):
+    """A member's output through the fused kernel alone with the group's tile."""
+    return matmul.linear_by_route(x, layer.weight.data, layer.weight.quant_state, None,
+                                  matmul.Route(x.numel() // x.shape[-1], "fused", config))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 16, 33, 64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_merged_projections_equal_each_alone(rows, dtype, monkeypatch):
+    """With merge, q, k and v (and gate and up) come from one launch each, eager and in one compiled
+    graph, each bit for bit what it gives alone through the same tile; an input other than the one
+    the first member computed from computes its own."""
+    from torch._dynamo.utils import counters
+
+    model = Projections("cuda", dtype)
+    dropin.enable(model, merge=True)
+    launches = []
+    group_launch = matmul.linear_group_by_config
+    monkeypatch.setattr(matmul, "linear_group_by_config", lambda *args: launches.append(1) or group_launch(*args))
+    x = torch.randn(rows, 512, dtype=dtype, device="cuda")
+    x2d = x.reshape(-1, 512)
+    with torch.no_grad():
+        got = {name: getattr(model, name)(x) for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")}
+        assert len(launches) == 2
+        for names in dropin.SIBLINGS:
+            layers = [getattr(model, name) for name in names]
+            config = matmul.group_config(x2d, [(layer.weight.data, layer.weight.quant_state) for layer in layers])
+            for name, layer in zip(names, layers):
+                assert_bit_exact(got[name], member_alone(layer, x, config))
+        other = torch.randn_like(x)
+        model.q_proj(x)
+        assert_bit_exact(model.k_proj(other), model.k_proj.forward.func(model.k_proj, kernel.dequantize_nf4, True,
+                                                                      None, other))
+        eager = model(x)
+        assert len(launches) == 5
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, fullgraph=True)(x)
+    assert not counters["graph_break"] and len(launches) == 7  # the graph merges them too
+    assert_bit_exact(compiled, eager)

@@ -439,3 +439,34 @@ def test_gpu_replayed_launches_equal_triton_launches(config):
         assert len(replays) == before + (1 if config.split_k == 1 else 2)
         matmul.LAUNCHES.clear()
         assert torch.equal(replayed, launch(x, packed, state, config, case_bias))  # Triton's own launch
+
+
+def test_nf4_linear_group_names_bad_input(device):
+    """Several weights read by one x: 1 to 3 of them, each checked as nf4_linear checks it; where no
+    launch merges them (the CPU's interpreter; K below every tile's columns), each output is nf4_linear's."""
+    x = torch.randn(2, 64, dtype=torch.float16, device=device)
+    layers = [linear4bit((rows, 64), dtype=torch.float16, device=device, seed=rows)[0] for rows in (32, 16)]
+    for got, layer in zip(matmul.nf4_linear_group(x, layers), layers):
+        assert torch.equal(got, matmul.nf4_linear(x, layer))
+    with pytest.raises(ValueError, match="1 to 3 layers"):
+        matmul.nf4_linear_group(x, [])
+    with pytest.raises(ValueError, match="features"):
+        matmul.nf4_linear_group(x, layers + [linear4bit((16, 128), dtype=torch.float16, device=device)[0]])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 33])
+def test_gpu_nf4_linear_group_equals_each_alone(rows):
+    """One launch over q, k and v: each output bit for bit its weight's alone through the group's tile;
+    where the tile does not divide a weight's rows, nf4_linear's own of each."""
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    layers = [linear4bit((count, 512), device="cuda", seed=count)[0] for count in (256, 128, 128)]
+    states = [(layer.weight.data, layer.weight.quant_state) for layer in layers]
+    config = matmul.group_config(x, states)
+    assert config is not None and (config.fold or matmul.split_taken(512 // config.block_k, config.split_k) == 1)
+    for got, (packed, state) in zip(matmul.nf4_linear_group(x, layers), states):
+        assert torch.equal(got, matmul.linear_by_route(x, packed, state, None, matmul.Route(rows, "fused", config)))
+    odd = [linear4bit((count, 512), device="cuda", seed=count)[0] for count in (200, 128)]
+    assert matmul.group_config(x, [(layer.weight.data, layer.weight.quant_state) for layer in odd]) is None
+    for got, layer in zip(matmul.nf4_linear_group(x, odd), odd):
+        assert torch.equal(got, matmul.nf4_linear(x, layer))

@@ -92,11 +92,17 @@ def serve(dtype, layers=""):
 DECODE = [f"{batch}x128+128" for batch in (1, 8, 32, 64)]
 PREFILL = ["1x128", "1x512", "8x512", "1x2048"]
 FLOOR = "floor (bytes once)"  # bench_contenders.MATMUL_FLOOR
+MERGED = "nf4-triton (merged)"  # servebench.MERGED
+
+
+def merged_speedup(found, kind, tokens):
+    """bitsandbytes' step time over the merged drop-in's in the rows of ``kind`` (their own rounds)."""
+    return float(found[kind, tokens, "bitsandbytes"]["median_ms"]) / float(found[kind, tokens, MERGED]["median_ms"])
 
 
 def test_serving_headline_is_the_results():
-    """The first table: bf16 ratios and tokens/s of the drop-in, decode (its floor, compiled) and prefill with
-    all 32 layers, the QLoRA steps with 8; fp16 within 0.04x of them, the floor's included."""
+    """The first table: bf16 ratios and tokens/s of the drop-in, decode (its floor, compiled, merged) and prefill
+    with all 32 layers, the QLoRA steps with 8; fp16 within 0.04x of them, the floor's included."""
     first = tables(readme())[0]
     assert first[0] == ["bf16 (fp16 within 0.04x)", "drop-in over bitsandbytes' own layers"]
     found, speedup = serve("bf16", "_32layers")
@@ -106,10 +112,17 @@ def test_serving_headline_is_the_results():
     _, train_fp16 = serve("fp16")
     ours = "nf4-triton"
     labels = [row[0] for row in first[1:]]
-    assert [label.split(",")[:2] for label in labels[:5]] == [
+    assert [label.split(",")[:2] for label in labels[:6]] == [
         ["decode", " 32 layers"], ["decode floor", " 32 layers"], ["decode compiled", " 32 layers"],
-        ["prefill", " 32 layers"], ["QLoRA step 4x1024", " 8 layers"]]
-    decode, floor, compiled, prefill, train, fsdp = (row[1] for row in first[1:])
+        ["decode merged", " 32 layers"], ["prefill", " 32 layers"], ["QLoRA step 4x1024", " 8 layers"]]
+    decode, floor, compiled, merged, prefill, train, fsdp = (row[1] for row in first[1:])
+    found_fp16 = serve("fp16", "_32layers")[0]
+    for cell, kind in zip(merged.split("; ")[:2], ("decode merged", "decode merged compiled")):
+        ratios = [merged_speedup(found, kind, t) for t in DECODE]
+        assert decimals(cell) == [f"{ratio:.2f}" for ratio in ratios]
+        assert re.findall(r"\((.*) tokens/s\)", cell)[0] == " / ".join(
+            f"{float(found[kind, t, MERGED]['tokens_per_s']):.0f}" for t in DECODE)
+        assert all(abs(merged_speedup(found_fp16, kind, t) - ratio) <= 0.04 for t, ratio in zip(DECODE[:2], ratios))
     assert decimals(decode) == [f"{speedup['decode', t, ours]:.2f}" for t in DECODE]
     assert decimals(compiled)[:4] == [f"{speedup['decode compiled', t, ours]:.2f}" for t in DECODE]
     assert compiled.endswith(f"the floor at batch 1: {speedup['decode compiled', DECODE[0], FLOOR]:.2f}x")
@@ -124,7 +137,7 @@ def test_serving_headline_is_the_results():
     assert all(abs(train_fp16[kind, "4x1024", ours] - train_speedup[kind, "4x1024", ours]) <= 0.04 for kind in training)
     assert all(trained[kind, "4x1024", ours]["loss_equal_bitsandbytes"] == "True" for kind in training)
     real = "4096x14336x8@2x2048"
-    assert first[6][0] == ("FSDP QLoRA step on two H100s, the same 8 layers, 2x2048 tokens a rank, 20 interleaved steps "
+    assert first[7][0] == ("FSDP QLoRA step on two H100s, the same 8 layers, 2x2048 tokens a rank, 20 interleaved steps "
                            "(not graphs), FSDP2 / FSDP1")
     assert decimals(fsdp) == [f"{fsdp_speedups(flavour)[real, 'bitsandbytes']:.2f}" for flavour in (2, 1)]
     # "within bitsandbytes' own run-to-run spread": the drop-in's losses no further from bitsandbytes' first run
