@@ -22,7 +22,7 @@ bit for bit (NOTES.md item 73).
 ``enable(model, merge=True)`` also computes the projections a module reads from one input (``SIBLINGS``:
 q, k and v; gate and up) in one launch where ``matmul.group_config`` allows: the first one's call
 computes all, and each other takes its own when it is called with that same x (any other x computes
-its own). NOTES.md item 88.
+its own). NOTES.md items 88 and 89.
 ``enable(model, fused=False)`` keeps bitsandbytes' arithmetic everywhere. Where bitsandbytes
 computes an inference input with its own fused 4-bit matmul (its GEMV at one row, its small-batch
 kernel, chosen by its own per-GPU rule) and the route is not the fused kernel, that op is kept,
@@ -110,21 +110,21 @@ class Siblings:
 
     def __init__(self, layers):
         self.layers = layers
-        self.x = None  # the input they were computed from
-        self.outputs = None  # tuple, None where taken
+        # (the input, the outputs computed from it, None where taken): one attribute, read once, so that
+        # a call on another thread never pairs one call's input with another's outputs
+        self.held = None
 
     def take(self, index, x):
         """Member ``index``'s output computed from this very ``x``, or None."""
-        if self.x is not x or self.outputs[index] is None:
+        held = self.held
+        if held is None or held[0] is not x or held[1][index] is None:
             return None
-        y = self.outputs[index]
-        self.outputs = self.outputs[:index] + (None,) + self.outputs[index + 1:]
-        if all(output is None for output in self.outputs):
-            self.x = self.outputs = None
-        return y
+        outputs = held[1][:index] + (None,) + held[1][index + 1:]
+        self.held = None if all(output is None for output in outputs) else (x, outputs)
+        return held[1][index]
 
     def hold(self, x, outputs):
-        self.x, self.outputs = x, (None,) + tuple(outputs[1:])
+        self.held = (x, (None,) + tuple(outputs[1:]))
 
 
 def _own_forward_slot(module):

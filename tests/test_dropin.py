@@ -621,7 +621,7 @@ def test_siblings_hand_out_only_what_their_input_computed():
     assert group.take(1, other) is None  # equal values, another tensor
     assert group.take(1, x) is outputs[1] and group.take(1, x) is None
     assert group.take(2, x) is outputs[2]
-    assert group.x is None and group.outputs is None  # nothing held once all are taken
+    assert group.held is None  # nothing held once all are taken
 
 
 def member_alone(layer, x, config):
@@ -665,3 +665,24 @@ def test_gpu_merged_projections_equal_each_alone(rows, dtype, monkeypatch):
         compiled = torch.compile(model, fullgraph=True)(x)
     assert not counters["graph_break"] and len(launches) == 7  # the graph merges them too
     assert_bit_exact(compiled, eager)
+
+
+def test_siblings_hand_out_in_one_compiled_graph():
+    """The handoff traces whole (a compiled server's decoder layer): no graph break, each member's output
+    its own, nothing held after the last take (so no guard on a stale tensor)."""
+    from torch._dynamo.utils import counters
+
+    group = dropin.Siblings([None, None, None])
+
+    def layer(x):
+        outputs = [x + 1, x * 2, x - 3]
+        group.hold(x, outputs)
+        return outputs[0], group.take(1, x), group.take(2, x)
+
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.randn(4)
+    got = torch.compile(layer, fullgraph=True)(x)
+    assert not counters["graph_break"] and group.held is None
+    for value, expected in zip(got, layer(x)):
+        assert torch.equal(value, expected)
