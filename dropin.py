@@ -20,7 +20,7 @@ layer's size; NOTES.md items 77, 82, 83). It decodes W to the same values; only
 the order of the fp32 sums differs from bitsandbytes', so logits there agree to the last bits, not
 bit for bit (NOTES.md item 73).
 ``enable(model, merge=True)`` also computes the projections a module reads from one input (``SIBLINGS``:
-q, k and v; gate and up) in one launch where ``matmul.group_config`` allows: the first one's call
+q, k and v; gate and up) in one launch where ``matmul.group_plan`` allows: the first one's call
 computes all, and each other takes its own when it is called with that same x (any other x computes
 its own). NOTES.md items 88 and 89.
 ``enable(model, fused=False)`` keeps bitsandbytes' arithmetic everywhere. Where bitsandbytes
@@ -83,7 +83,7 @@ def enable(model, dequantize=None, fused=True, merge=False):
         for module in model.modules():
             for names in SIBLINGS:
                 layers = [_base_layer(getattr(module, name, None)) for name in names]
-                if all(layer is not None and any(layer is r for r in routed) for layer in layers):
+                if all(layer is not None and is_enabled(layer) for layer in layers):
                     siblings = Siblings(layers)
                     for index, layer in enumerate(layers):
                         setattr(layer, _routed_slot(layer),
@@ -263,7 +263,7 @@ def _routed_forward(module, dequantize, fused_matmul, siblings, x, *args, **kwar
 
 
 def _merged_outputs(group, x, dtype):
-    """Every member's output from ``x`` in one launch (``matmul.group_config``), in x's dtype, or None:
+    """Every member's output from ``x`` in one launch (``matmul.group_plan``), in x's dtype, or None:
     a member with a bias, another compute dtype or a quant state not in it, or no such launch."""
     states = []
     for layer in group.layers:
@@ -273,10 +273,10 @@ def _merged_outputs(group, x, dtype):
             return None
         states.append(quantstate.resolve(layer.weight, quant_state))
     x2d = (x if x.dtype is dtype else x.to(dtype)).reshape(-1, x.shape[-1])
-    config = matmul.group_config(x2d, states)
-    if config is None:
+    plan = matmul.group_plan(x2d, states)
+    if plan is None:
         return None
-    outputs = matmul.linear_group_by_config(x2d, states, config)
+    outputs = matmul.linear_group(x2d, states, plan)
     return [y.reshape(*x.shape[:-1], y.shape[1]).to(x.dtype) for y in outputs]
 
 

@@ -36,7 +36,7 @@ import quantstate
 from fastpath import INTERPRET, device_facts, jit, sum_combine
 from kernel import TL_DTYPE, add_rn, decode, fp32_to_bf16_rne, lookup, mul_ftz
 
-__all__ = ["nf4_linear", "nf4_linear_group", "group_config", "linear_group_by_config", "linear_by_route",
+__all__ = ["nf4_linear", "nf4_linear_group", "group_plan", "GroupPlan", "linear_group", "linear_by_route",
            "route_taken", "decoded_weight", "choose_route", "Route", "MatmulConfig", "MATMUL_ROUTES", "TL_ROUTES",
            "routes_for", "mma_runs_on", "mma_supported", "LAUNCHES", "nf4_matmul_kernel", "split_k_reduce_kernel"]
 
@@ -375,6 +375,10 @@ MATMUL_ROUTES = {
               min_in=14336),
         Route(8, "fused", _MMA_TILE(split_k=16, words=4, fold=True), min_weight=56 * _M, min_in=14336),
         Route(4, "fused", _MMA_TILE(words=4, stage_x=False, fold=True), min_weight=56 * _M),
+        # one row of q|k|v merged (4096x6144; items 88, 90): 512 columns at split 8, folded, 11.2 against 12.7 us at
+        # split 16 of 128 columns; 13.3 against 15.2 at 4096x8192, 17.9 against 19.2 at 4096x11008 (split 4: 17.1)
+        Route(1, "fused", _MMA_TILE(block_k=512, split_k=8, words=4, stage_x=False, fold=True, unroll=4),
+              min_weight=24 * _M, min_in=4096, min_out=6144),
         # one row of 4096x4096: 10.8 / 25.5 / - / 8.9 at split 16 of 128 columns, unstaged (split 8 of 256, staged:
         # 9.6); a tie at 2 rows (9.6 against 9.8), 11.8 against 10.2 at 8 (item 83)
         Route(1, "fused", _MMA_TILE(block_k=128, split_k=16, words=4, stage_x=False, fold=True), min_weight=16 * _M),
@@ -711,31 +715,37 @@ def _validated(x, weight, quant_state, bias):
 
 def nf4_linear_group(x, weights):
     """``[nf4_linear(x, weight) for weight in weights]`` (no bias), in one launch of the fused kernel
-    where ``group_config`` allows it: the projections a layer reads from one input, such as q, k and v
+    where ``group_plan`` allows it: the projections a layer reads from one input, such as q, k and v
     or gate and up. Each output equals that weight's alone through the same tile; the tile is the
     route's for the rows of all (NOTES.md item 88)."""
     _require(1 <= len(weights) <= 3, f"weights must be 1 to 3 layers, got {len(weights)}")
     states = [_validated(x, weight, None, None)[:2] for weight in weights]
     lead, in_features = x.shape[:-1], x.shape[-1]
     x2d = x.reshape(-1, in_features)
-    config = group_config(x2d, states)
-    if config is None:
+    plan = group_plan(x2d, states)
+    if plan is None:
         return [nf4_linear(x, weight) for weight in weights]
-    return [y.reshape(*lead, y.shape[1]) for y in linear_group_by_config(x2d, states, config)]
+    return [y.reshape(*lead, y.shape[1]) for y in linear_group(x2d, states, plan)]
 
 
-def group_config(x2d, states):
-    """The MatmulConfig of one launch over several weights [(packed, quant_state)] read by ``x2d``, or None
+class GroupPlan(typing.NamedTuple):
+    """One launch over several weights: its tile and each weight's ``quantstate.check_state`` layout."""
+    config: MatmulConfig
+    layouts: list
+
+
+def group_plan(x2d, states):
+    """The GroupPlan of one launch over several weights [(packed, quant_state)] read by ``x2d``, or None
     where that launch is not mma.py's route for their rows together, their formats or input features
     differ, or a weight but the last has rows the tile does not divide; split-K folded."""
     if len(states) < 2 or x2d.numel() == 0 or not x2d.is_cuda or INTERPRET:
         return None
-    formats = []
+    layouts, formats = [], []
     for packed, qs in states:
         if len(qs.shape) != 2 or int(qs.shape[1]) != x2d.shape[1]:
             return None
-        layout = quantstate.check_state(packed, qs)
-        formats.append(layout[1:4] + (qs.quant_type, layout[4][1].dtype, packed.device))
+        layouts.append(quantstate.check_state(packed, qs))
+        formats.append(layouts[-1][1:4] + (qs.quant_type, layouts[-1][4][1].dtype, packed.device))
     rows = [int(qs.shape[0]) for _, qs in states]
     route = choose_route(device_facts(x2d.device)[0], x2d.shape[0], x2d.shape[1], sum(rows))
     config = route.config
@@ -744,27 +754,46 @@ def group_config(x2d, states):
             or not mma_supported(x2d, x2d.shape[1], formats[0][0], config)
             or any(count % config.block_n for count in rows[:-1])):
         return None
-    return config._replace(fold=True) if split_taken(x2d.shape[1] // config.block_k, config.split_k) > 1 else config
+    if split_taken(x2d.shape[1] // config.block_k, config.split_k) > 1:
+        config = config._replace(fold=True)
+    return GroupPlan(config, layouts)
 
 
-def linear_group_by_config(x2d, states, config):
-    """The outputs (rows, out_j) of ``x2d`` against each weight [(packed, quant_state)], one launch with
-    ``config`` (from ``group_config``)."""
-    if x2d.stride(-1) != 1 or (x2d.shape[0] > 1 and x2d.stride(0) < x2d.shape[1]):
-        x2d = x2d.contiguous()
-    layouts = [quantstate.check_state(packed, qs) for packed, qs in states]
-    _, blocksize, nested, blocksize2, _ = layouts[0]
+def linear_group(x2d, states, plan):
+    """The outputs (rows, out_j) of ``x2d`` against each weight [(packed, quant_state)], one launch as
+    ``plan`` (from ``group_plan``) says."""
+    x2d = _rows_contiguous(x2d)
+    _, blocksize, nested, blocksize2, _ = plan.layouts[0]
     rows = [int(qs.shape[0]) for _, qs in states]
     fp4 = states[0][1].quant_type == "fp4"
     packed = [p.view(torch.uint8) for p, _ in states]
+    tables = [layout[4] for layout in plan.layouts]
     if torch.compiler.is_compiling():
-        columns = [[layout[4][i] for layout in layouts] for i in range(5)]
-        return torch.ops.nf4_triton.linear_group(x2d, packed, *columns, rows, blocksize, blocksize2, nested, fp4,
-                                                 [int(value) for value in config])
+        return torch.ops.nf4_triton.linear_group(x2d, packed, *(list(column) for column in zip(*tables)), rows,
+                                                 blocksize, blocksize2, nested, fp4, [int(value) for value in plan.config])
+    return _launch_group(x2d, packed, tables, rows, blocksize, blocksize2, nested, fp4, plan.config)
+
+
+def _rows_contiguous(x2d):
+    """x2d itself where its rows are whole and unit-strided (what the kernels read), else a contiguous copy."""
+    if x2d.stride(-1) != 1 or (x2d.shape[0] > 1 and x2d.stride(0) < x2d.shape[1]):
+        return x2d.contiguous()
+    return x2d
+
+
+def _launch_linear(x2d, packed, tables, bias, out_features, blocksize, blocksize2, nested, fp4, config):
+    """Allocate one weight's output and launch the fused kernel into it."""
+    y = torch.empty((x2d.shape[0], out_features), dtype=x2d.dtype, device=x2d.device)
+    return launch_fused(x2d, packed, tables, bias, y, n=out_features, k=x2d.shape[1], blocksize=blocksize,
+                        blocksize2=blocksize2, nested=nested, fp4=fp4, config=config)
+
+
+def _launch_group(x2d, packed, tables, rows, blocksize, blocksize2, nested, fp4, config):
+    """Allocate each weight's output and launch the fused kernel over all of them."""
     outs = [torch.empty((x2d.shape[0], count), dtype=x2d.dtype, device=x2d.device) for count in rows]
-    launch_fused(x2d, packed[0], layouts[0][4], None, outs[0], n=sum(rows), k=x2d.shape[1], blocksize=blocksize,
+    launch_fused(x2d, packed[0], tables[0], None, outs[0], n=sum(rows), k=x2d.shape[1], blocksize=blocksize,
                  blocksize2=blocksize2, nested=nested, fp4=fp4, config=config,
-                 members=tuple((p, layout[4], out) for p, layout, out in zip(packed[1:], layouts[1:], outs[1:])))
+                 members=tuple(zip(packed[1:], tables[1:], outs[1:])))
     return outs
 
 
@@ -772,9 +801,7 @@ def linear_by_route(x, packed, qs, bias, route):
     """``nf4_linear`` through the given Route (tests and benchmarks force each one)."""
     out_features, in_features = (int(dim) for dim in qs.shape)
     lead = x.shape[:-1]
-    x2d = x.reshape(-1, in_features)
-    if x2d.stride(-1) != 1 or (x2d.shape[0] > 1 and x2d.stride(0) < in_features):
-        x2d = x2d.contiguous()
+    x2d = _rows_contiguous(x.reshape(-1, in_features))
     path = route.path
     if path == "bitsandbytes" and (INTERPRET or torch.compiler.is_compiling()):
         path = "dequantize"  # its kernels run on CUDA tensors, and outside a compiled graph
@@ -796,9 +823,8 @@ def linear_by_route(x, packed, qs, bias, route):
                                         out_features, blocksize, blocksize2, nested, qs.quant_type == "fp4",
                                         [int(value) for value in route.config])
         return y.reshape(*lead, out_features)
-    y = torch.empty((x2d.shape[0], out_features), dtype=x.dtype, device=x.device)
-    launch_fused(x2d, packed.view(torch.uint8), tables, bias, y, n=out_features, k=in_features, blocksize=blocksize,
-                 blocksize2=blocksize2, nested=nested, fp4=qs.quant_type == "fp4", config=route.config)
+    y = _launch_linear(x2d, packed.view(torch.uint8), tables, bias, out_features, blocksize, blocksize2, nested,
+                       qs.quant_type == "fp4", route.config)
     return y.reshape(*lead, out_features)
 
 
@@ -842,11 +868,9 @@ def _linear_op(
     fp4: bool,
     config: list[int],
 ) -> torch.Tensor:
-    """The operator's body: allocate and launch (inputs validated by ``nf4_linear``)."""
-    y = torch.empty((x.shape[0], out_features), dtype=x.dtype, device=x.device)
-    launch_fused(x, packed, (absmax, code, absmax2, code2, offset), bias, y, n=out_features, k=x.shape[1],
-                 blocksize=blocksize, blocksize2=blocksize2, nested=nested, fp4=fp4, config=_config_of(config))
-    return y
+    """The operator's body: ``linear_by_route``'s launch (inputs validated by ``nf4_linear``)."""
+    return _launch_linear(x, packed, (absmax, code, absmax2, code2, offset), bias, out_features, blocksize, blocksize2,
+                          nested, fp4, _config_of(config))
 
 
 _BOOL_FIELDS = tuple(name for name, kind in MatmulConfig.__annotations__.items() if kind is bool)
@@ -882,13 +906,9 @@ def _linear_group_op(
     fp4: bool,
     config: list[int],
 ) -> list[torch.Tensor]:
-    """``linear_group_by_config``'s launch as an operator (inputs validated by ``nf4_linear_group``)."""
-    outs = [torch.empty((x.shape[0], count), dtype=x.dtype, device=x.device) for count in out_features]
-    tables = list(zip(absmax, code, absmax2, code2, offset))
-    launch_fused(x, packed[0], tables[0], None, outs[0], n=sum(out_features), k=x.shape[1], blocksize=blocksize,
-                 blocksize2=blocksize2, nested=nested, fp4=fp4, config=_config_of(config),
-                 members=tuple(zip(packed[1:], tables[1:], outs[1:])))
-    return outs
+    """``linear_group``'s launch as an operator (inputs validated by ``group_plan``)."""
+    return _launch_group(x, packed, list(zip(absmax, code, absmax2, code2, offset)), out_features, blocksize,
+                         blocksize2, nested, fp4, _config_of(config))
 
 
 def _linear_group_op_fake(x, packed, absmax, code, absmax2, code2, offset, out_features, blocksize, blocksize2,

@@ -642,8 +642,8 @@ def test_gpu_merged_projections_equal_each_alone(rows, dtype, monkeypatch):
     model = Projections("cuda", dtype)
     dropin.enable(model, merge=True)
     launches = []
-    group_launch = matmul.linear_group_by_config
-    monkeypatch.setattr(matmul, "linear_group_by_config", lambda *args: launches.append(1) or group_launch(*args))
+    group_launch = matmul.linear_group
+    monkeypatch.setattr(matmul, "linear_group", lambda *args: launches.append(1) or group_launch(*args))
     x = torch.randn(rows, 512, dtype=dtype, device="cuda")
     x2d = x.reshape(-1, 512)
     with torch.no_grad():
@@ -651,7 +651,7 @@ def test_gpu_merged_projections_equal_each_alone(rows, dtype, monkeypatch):
         assert len(launches) == 2
         for names in dropin.SIBLINGS:
             layers = [getattr(model, name) for name in names]
-            config = matmul.group_config(x2d, [(layer.weight.data, layer.weight.quant_state) for layer in layers])
+            config = matmul.group_plan(x2d, [(layer.weight.data, layer.weight.quant_state) for layer in layers]).config
             for name, layer in zip(names, layers):
                 assert_bit_exact(got[name], member_alone(layer, x, config))
         other = torch.randn_like(x)

@@ -462,11 +462,13 @@ def test_gpu_nf4_linear_group_equals_each_alone(rows):
     x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     layers = [linear4bit((count, 512), device="cuda", seed=count)[0] for count in (256, 128, 128)]
     states = [(layer.weight.data, layer.weight.quant_state) for layer in layers]
-    config = matmul.group_config(x, states)
-    assert config is not None and (config.fold or matmul.split_taken(512 // config.block_k, config.split_k) == 1)
+    plan = matmul.group_plan(x, states)
+    assert plan is not None and len(plan.layouts) == 3
+    config = plan.config
+    assert config.fold or matmul.split_taken(512 // config.block_k, config.split_k) == 1
     for got, (packed, state) in zip(matmul.nf4_linear_group(x, layers), states):
         assert torch.equal(got, matmul.linear_by_route(x, packed, state, None, matmul.Route(rows, "fused", config)))
     odd = [linear4bit((count, 512), device="cuda", seed=count)[0] for count in (200, 128)]
-    assert matmul.group_config(x, [(layer.weight.data, layer.weight.quant_state) for layer in odd]) is None
+    assert matmul.group_plan(x, [(layer.weight.data, layer.weight.quant_state) for layer in odd]) is None
     for got, layer in zip(matmul.nf4_linear_group(x, odd), odd):
         assert torch.equal(got, matmul.nf4_linear(x, layer))
