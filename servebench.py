@@ -25,7 +25,7 @@ each round), medians with p20/p80 over rounds:
   (Inductor, ``fullgraph=True`` where it traces; a graph a layer, as the static cache is indexed by
   the layer's number) before the capture, so the norms, rotary embedding, residuals and activation
   fuse as a compiled server runs them;
-- merged: decode, under CUDA graphs and compiled, beside ``nf4-triton (merged)``: ``dropin.enable(model,
+- merged: decode, under CUDA graphs and compiled, then prefill, beside ``nf4-triton (merged)``: ``dropin.enable(model,
   merge=True)``, q|k|v and gate|up one launch each (not in the default sections' other contenders).
 A contender whose step cannot be captured is timed eager, and its rows say so.
 """
@@ -330,11 +330,13 @@ def bench_floor(model, router, dtype_name, rounds, meta, log, batches=DECODE_BAT
 
 def bench_merged(model, router, dtype_name, rounds, meta, log, batches=DECODE_BATCHES):
     """Decode tokens/s per batch for bitsandbytes, the drop-in and the drop-in with ``MERGED``'s projections in
-    one launch each, in the same rounds: under CUDA graphs, then with the decoder layers compiled."""
+    one launch each, in the same rounds: under CUDA graphs, then with the decoder layers compiled; then
+    prefill under CUDA graphs."""
     names = ["bitsandbytes", "nf4-triton", MERGED]
     return (_decode_side_by_side(model, router, names, "decode merged", dtype_name, rounds, meta, log, batches)
             + _decode_side_by_side(model, router, names, "decode merged compiled", dtype_name, rounds, meta, log,
-                                   batches, compiled=True))
+                                   batches, compiled=True)
+            + bench_prefill(model, router, names, dtype_name, rounds, meta, log, kind="prefill merged"))
 
 
 def _decode_side_by_side(model, router, names, kind, dtype_name, rounds, meta, log, batches, compiled=False):
@@ -411,8 +413,8 @@ def bench_decode(model, router, names, dtype_name, rounds, meta, log, batches=DE
     return rows
 
 
-def bench_prefill(model, router, names, dtype_name, rounds, meta, log):
-    """Prefill time per token count under CUDA graphs, and the last position's logits' agreement."""
+def bench_prefill(model, router, names, dtype_name, rounds, meta, log, kind="prefill"):
+    """Prefill time per token count under CUDA graphs, and the last position's logits' agreement; rows of ``kind``."""
     rows = []
     for batch, sequence in PREFILL_TOKENS:
         ids = torch.randint(0, model.config.vocab_size, (batch, sequence), device="cuda",
@@ -439,12 +441,12 @@ def bench_prefill(model, router, names, dtype_name, rounds, meta, log):
         bnb = bench_timing.summarize(seconds["bitsandbytes"])[0]
         for name in names:
             median = bench_timing.summarize(seconds[name])[0]
-            rows.append(_row(meta, "prefill", dtype_name, f"{batch}x{sequence}", name, seconds[name],
+            rows.append(_row(meta, kind, dtype_name, f"{batch}x{sequence}", name, seconds[name],
                              tokens_per_s=batch * sequence / median, speedup_over_bitsandbytes=bnb / median,
                              timing=timed[name][2], peak_mib=timed[name][3] / 2**20,
                              prompt_logits_diff_bitsandbytes=_max_diff(logits[name], logits["bitsandbytes"]),
                              prompt_logits_diff_reference=_max_diff(logits[name], logits[REFERENCE])))
-        log(f"prefill {dtype_name} {batch}x{sequence}: " + ", ".join(
+        log(f"{kind} {dtype_name} {batch}x{sequence}: " + ", ".join(
             f"{r['implementation']} {r['median_ms']:.2f} ms ({r['speedup_over_bitsandbytes']:.2f}x, {r['timing'][:10]})"
             for r in rows[-len(names):]))
         del timed
@@ -616,7 +618,8 @@ def main(argv=None):
     parser.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "nf4-triton-serve-model"),
                         help="where the random model is saved (reused when there)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"a subset of {','.join(SECTIONS)}")
-    parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes")
+    parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)),
+                        help="decode batch sizes; empty: no decode (the sections' prefill and training only)")
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
     if not set(sections) <= set(SECTIONS):
@@ -631,7 +634,7 @@ def main(argv=None):
                 unsloth_version=metadata.version("unsloth") if args.unsloth else "not imported")
     print(meta)
     rows = run(args.dtype, args.layers, args.rounds, f"{args.model}-{args.layers}", meta, with_unsloth=args.unsloth,
-               sections=sections, batches=[int(batch) for batch in args.batches.split(",")])
+               sections=sections, batches=[int(batch) for batch in args.batches.split(",") if batch])
     folder = bench_results.results_folder(args.out)
     os.makedirs(folder, exist_ok=True)
     layers = "" if args.layers == LAYERS else f"_{args.layers}layers"  # the charts read the default size's files

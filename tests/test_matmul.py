@@ -455,14 +455,20 @@ def test_nf4_linear_group_names_bad_input(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 8, 33])
+@pytest.mark.parametrize("rows", [1, 8, 33, matmul.GROUP_MAX_ROWS + 1])
 def test_gpu_nf4_linear_group_equals_each_alone(rows):
     """One launch over q, k and v: each output bit for bit its weight's alone through the group's tile;
-    where the tile does not divide a weight's rows, nf4_linear's own of each."""
+    where the tile does not divide a weight's rows, or x has more rows than a group takes,
+    nf4_linear's own of each."""
     x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     layers = [linear4bit((count, 512), device="cuda", seed=count)[0] for count in (256, 128, 128)]
     states = [(layer.weight.data, layer.weight.quant_state) for layer in layers]
     plan = matmul.group_plan(x, states)
+    if rows > matmul.GROUP_MAX_ROWS:
+        assert plan is None
+        for got, layer in zip(matmul.nf4_linear_group(x, layers), layers):
+            assert torch.equal(got, matmul.nf4_linear(x, layer))
+        return
     assert plan is not None and len(plan.layouts) == 3
     config = plan.config
     assert config.fold or matmul.split_taken(512 // config.block_k, config.split_k) == 1
