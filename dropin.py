@@ -265,6 +265,8 @@ def _routed_forward(module, dequantize, fused_matmul, siblings, x, *args, **kwar
 def _merged_outputs(group, x, dtype):
     """Every member's output from ``x`` in one launch (``matmul.group_plan``), in x's dtype, or None:
     a member with a bias, another compute dtype or a quant state not in it, or no such launch."""
+    if x.numel() > matmul.GROUP_MAX_ROWS * x.shape[-1]:  # a prefill: no group launch (matmul.group_plan)
+        return None
     states = []
     for layer in group.layers:
         quant_state = _quant_state(layer)

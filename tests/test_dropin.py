@@ -631,6 +631,23 @@ def member_alone(layer, x, config):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_no_group_past_its_rows(dtype, monkeypatch):
+    """From ``GROUP_MAX_ROWS + 1`` rows on (a prefill) a merged model launches no group: each layer its own."""
+    model = Projections("cuda", dtype)
+    dropin.enable(model, merge=True)
+    launches = []
+    group_launch = matmul.linear_group
+    monkeypatch.setattr(matmul, "linear_group", lambda *args: launches.append(1) or group_launch(*args))
+    x = torch.randn(matmul.GROUP_MAX_ROWS + 1, 512, dtype=dtype, device="cuda")
+    with torch.no_grad():
+        merged = model(x)
+        dropin.enable(model)
+        assert_bit_exact(merged, model(x))
+    assert not launches
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3, 16, 33, 64])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_merged_projections_equal_each_alone(rows, dtype, monkeypatch):
@@ -651,7 +668,9 @@ def test_gpu_merged_projections_equal_each_alone(rows, dtype, monkeypatch):
         assert len(launches) == 2
         for names in dropin.SIBLINGS:
             layers = [getattr(model, name) for name in names]
-            config = matmul.group_plan(x2d, [(layer.weight.data, layer.weight.quant_state) for layer in layers]).config
+            plan = matmul.group_plan(x2d, [(layer.weight.data, layer.weight.quant_state) for layer in layers])
+            assert plan is not None
+            config = plan.config
             for name, layer in zip(names, layers):
                 assert_bit_exact(got[name], member_alone(layer, x, config))
         other = torch.randn_like(x)

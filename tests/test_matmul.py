@@ -220,6 +220,9 @@ def test_routes_are_well_formed():
     assert [route((9, 0), m, 14336, 4096).config.unroll for m in (1, 4, 8)] == [4, 4, 1]
     assert route((9, 0), 1, 28672, 8192).config == route((9, 0), 1, 28416, 8192).config._replace(block_k=512, unroll=4)
     assert route((9, 0), 1, 4096, 1024).config.num_warps == 8 and route((9, 0), 8, 4096, 1024).config.num_warps == 4
+    # q|k|v merged at one row: 512 columns at split 8 from 24M weights, 4096 inputs and 6144 outputs (item 90)
+    assert tuple(route((9, 0), 1, 4096, 6144).config[:4]) == (8, 64, 512, 8) and route((9, 0), 1, 4096, 6144).config.fold
+    assert route((9, 0), 2, 4096, 6144).config.block_k == 256 and route((9, 0), 1, 4096, 4096).config.block_k == 128
     assert route((9, 0), 32, 4096, 14336).config.wgmma and not route((9, 0), 32, 14336, 4096).config.wgmma
     assert route((9, 0), 8, 4096, 14336).config.words == 4 and route((9, 0), 32, 4096, 14336).config.words == 2
     assert not route((9, 0), 4, 4096, 14336).config.stage_x and route((9, 0), 8, 4096, 14336).config.stage_x
@@ -456,7 +459,7 @@ def test_nf4_linear_group_names_bad_input(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 8, 33, matmul.GROUP_MAX_ROWS + 1])
-def test_gpu_nf4_linear_group_equals_each_alone(rows):
+def test_gpu_nf4_linear_group_equals_each_alone(rows, monkeypatch):
     """One launch over q, k and v: each output bit for bit its weight's alone through the group's tile;
     where the tile does not divide a weight's rows, or x has more rows than a group takes,
     nf4_linear's own of each."""
@@ -465,9 +468,13 @@ def test_gpu_nf4_linear_group_equals_each_alone(rows):
     states = [(layer.weight.data, layer.weight.quant_state) for layer in layers]
     plan = matmul.group_plan(x, states)
     if rows > matmul.GROUP_MAX_ROWS:
-        assert plan is None
+        launches = []
+        launch = matmul.launch_fused
+        monkeypatch.setattr(matmul, "launch_fused", lambda *args, **kwargs: launches.append(kwargs.get("members"))
+                            or launch(*args, **kwargs))
         for got, layer in zip(matmul.nf4_linear_group(x, layers), layers):
             assert torch.equal(got, matmul.nf4_linear(x, layer))
+        assert plan is None and not any(launches)  # every launch one weight's
         return
     assert plan is not None and len(plan.layouts) == 3
     config = plan.config

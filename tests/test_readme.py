@@ -122,11 +122,9 @@ def test_serving_headline_is_the_results():
         assert decimals(cell) == [f"{ratio:.2f}" for ratio in ratios]
         assert re.findall(r"\((.*) tokens/s\)", cell)[0] == " / ".join(
             f"{float(found[kind, t, MERGED]['tokens_per_s']):.0f}" for t in DECODE)
-        assert all(abs(merged_speedup(found_fp16, kind, t) - ratio) <= 0.04 for t, ratio in zip(DECODE[:2], ratios))
+        assert all(abs(merged_speedup(found_fp16, kind, t) - ratio) <= 0.04 for t, ratio in zip(DECODE, ratios))
     merged_prefill = [merged_speedup(found, "prefill merged", t) for t in PREFILL]
-    unmerged_prefill = [float(found["prefill merged", t, "bitsandbytes"]["median_ms"])
-                        / float(found["prefill merged", t, ours]["median_ms"]) for t in PREFILL]
-    assert decimals(merged.split("; ")[2]) == [f"{ratio:.2f}" for ratio in merged_prefill + unmerged_prefill]
+    assert decimals(merged.split("; ")[2]) == [f"{ratio:.2f}" for ratio in merged_prefill]
     assert all(abs(merged_speedup(found_fp16, "prefill merged", t) - ratio) <= 0.04 for t, ratio in zip(PREFILL, merged_prefill))
     assert decimals(decode) == [f"{speedup['decode', t, ours]:.2f}" for t in DECODE]
     assert decimals(compiled)[:4] == [f"{speedup['decode compiled', t, ours]:.2f}" for t in DECODE]
