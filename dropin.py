@@ -110,21 +110,32 @@ class Siblings:
 
     def __init__(self, layers):
         self.layers = layers
-        # (the input, the outputs computed from it, None where taken): one attribute, read once, so that
-        # a call on another thread never pairs one call's input with another's outputs
+        # (the input, its version, the outputs computed from it, None where taken): one attribute, read
+        # once, so that a call on another thread never pairs one call's input with another's outputs
         self.held = None
 
     def take(self, index, x):
-        """Member ``index``'s output computed from this very ``x``, or None."""
+        """Member ``index``'s output computed from this very ``x`` as it is now, or None."""
         held = self.held
-        if held is None or held[0] is not x or held[1][index] is None:
+        if held is None or held[0] is not x or held[2][index] is None:
             return None
-        outputs = held[1][:index] + (None,) + held[1][index + 1:]
-        self.held = None if all(output is None for output in outputs) else (x, outputs)
-        return held[1][index]
+        if held[1] != _version(x):  # x changed in place since: nothing held is its output any more
+            self.held = None
+            return None
+        outputs = held[2][:index] + (None,) + held[2][index + 1:]
+        self.held = None if all(output is None for output in outputs) else (x, held[1], outputs)
+        return held[2][index]
 
     def hold(self, x, outputs):
-        self.held = (x, (None,) + tuple(outputs[1:]))
+        self.held = (x, _version(x), (None,) + tuple(outputs[1:]))
+
+
+def _version(x):
+    """x's version counter, which every change in place bumps; None where it cannot be read: an
+    inference tensor keeps none, and in a compiled graph it is a value of the graph."""
+    if torch.compiler.is_compiling() or x.is_inference():
+        return None
+    return x._version
 
 
 def _own_forward_slot(module):

@@ -624,6 +624,31 @@ def test_siblings_hand_out_only_what_their_input_computed():
     assert group.held is None  # nothing held once all are taken
 
 
+def test_siblings_hand_out_nothing_after_a_change_in_place():
+    """An input changed in place after the first member's call (its version bumped) is another input: the
+    later members compute their own, and nothing stale is kept."""
+    group = dropin.Siblings([None, None, None])
+    x = torch.ones(2)
+    outputs = [torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)]
+    group.hold(x, outputs)
+    assert group.take(1, x) is outputs[1]
+    x.add_(1)
+    assert group.take(2, x) is None and group.held is None
+    group.hold(x, outputs)
+    x.mul_(1)  # same values, still a change in place
+    assert group.take(1, x) is None
+
+
+def test_siblings_hand_out_inference_tensors():
+    """An inference tensor keeps no version counter: the handoff still works by identity alone."""
+    group = dropin.Siblings([None, None])
+    with torch.inference_mode():
+        x = torch.ones(2)
+        outputs = [torch.zeros(1), torch.ones(1)]
+        group.hold(x, outputs)
+        assert group.take(1, x) is outputs[1] and group.held is None
+
+
 def member_alone(layer, x, config):
     """A member's output through the fused kernel alone with the group's tile."""
     return matmul.linear_by_route(x, layer.weight.data, layer.weight.quant_state, None,
@@ -653,7 +678,7 @@ def test_gpu_no_group_past_its_rows(dtype, monkeypatch):
 def test_gpu_merged_projections_equal_each_alone(rows, dtype, monkeypatch):
     """With merge, q, k and v (and gate and up) come from one launch each, eager and in one compiled
     graph, each bit for bit what it gives alone through the same tile; an input other than the one
-    the first member computed from computes its own."""
+    the first member computed from, or that one changed in place since, computes its own."""
     from torch._dynamo.utils import counters
 
     model = Projections("cuda", dtype)
@@ -677,12 +702,17 @@ def test_gpu_merged_projections_equal_each_alone(rows, dtype, monkeypatch):
         model.q_proj(x)
         assert_bit_exact(model.k_proj(other), model.k_proj.forward.func(model.k_proj, kernel.dequantize_nf4, True,
                                                                       None, other))
+        changed = x.clone()
+        model.q_proj(changed)
+        changed.mul_(2)  # in place between the members' calls: k computes from the input as it is now
+        assert_bit_exact(model.k_proj(changed), model.k_proj.forward.func(model.k_proj, kernel.dequantize_nf4, True,
+                                                                        None, changed))
         eager = model(x)
-        assert len(launches) == 5
+        assert len(launches) == 6
         torch._dynamo.reset()
         counters.clear()
         compiled = torch.compile(model, fullgraph=True)(x)
-    assert not counters["graph_break"] and len(launches) == 7  # the graph merges them too
+    assert not counters["graph_break"] and len(launches) == 8  # the graph merges them too
     assert_bit_exact(compiled, eager)
 
 
