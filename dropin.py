@@ -75,6 +75,7 @@ def enable(model, dequantize=None, fused=True, merge=False):
         slot = _routed_slot(module) or (_own_forward_slot(module) if isinstance(module, linear4bit) else None)
         if slot is None:
             continue
+        _leave_group(module)
         # A partial of a module-level function, not a bound method of a name the class lacks: it
         # pickles (torch.save of the model) and deep-copies with its module.
         setattr(module, slot, functools.partial(_routed_forward, module, dequantize, fused, None))
@@ -89,6 +90,14 @@ def enable(model, dequantize=None, fused=True, merge=False):
                         setattr(layer, _routed_slot(layer),
                                 functools.partial(_routed_forward, layer, dequantize, fused, (siblings, index)))
     return len(routed)
+
+
+def _leave_group(module):
+    """A routed layer about to be routed again or given back leaves its group: the group launches no more."""
+    siblings = siblings_of(module)
+    if siblings is not None:
+        siblings[0].valid = False
+        siblings[0].held = None
 
 
 def siblings_of(module):
@@ -108,26 +117,47 @@ class Siblings:
     """Projections of one module merged: their layers, and the outputs the first one's call computed for
     the others, until each takes its own."""
 
+    MOST_MISSES = 2  # launches in a row whose outputs went untaken (cross-attention): then no more launches
+
     def __init__(self, layers):
         self.layers = layers
         # (the input, its version, the outputs computed from it, None where taken): one attribute, read
         # once, so that a call on another thread never pairs one call's input with another's outputs
         self.held = None
+        self.misses = 0  # launches in a row whose outputs were dropped before every member took its own
+        self.valid = True  # every member still routed with this group (``enable`` and ``disable`` clear it)
+
+    def launches(self):
+        """Whether the first member's call may launch the group."""
+        return self.valid and self.misses < self.MOST_MISSES
 
     def take(self, index, x):
-        """Member ``index``'s output computed from this very ``x`` as it is now, or None."""
+        """Member ``index``'s output computed from this very ``x`` as it is now, or None. Another input, or
+        this one changed in place since, drops what is held: no later call can take it."""
         held = self.held
-        if held is None or held[0] is not x or held[2][index] is None:
+        if held is None:
             return None
-        if held[1] != _version(x):  # x changed in place since: nothing held is its output any more
+        if held[0] is not x or held[1] != _version(x):
             self.held = None
+            self.misses += 1
+            return None
+        if held[2][index] is None:
             return None
         outputs = held[2][:index] + (None,) + held[2][index + 1:]
-        self.held = None if all(output is None for output in outputs) else (x, held[1], outputs)
+        if all(output is None for output in outputs):
+            self.held = None
+            self.misses = 0
+        else:
+            self.held = (x, held[1], outputs)
         return held[2][index]
 
     def hold(self, x, outputs):
+        if self.held is not None:  # the last launch's outputs, some never taken
+            self.misses += 1
         self.held = (x, _version(x), (None,) + tuple(outputs[1:]))
+
+    def __getstate__(self):  # a copy or a pickle holds no activations
+        return dict(self.__dict__, held=None)
 
 
 def _version(x):
@@ -166,6 +196,7 @@ def disable(model):
     restored = 0
     for module in model.modules():
         slot = _routed_slot(module)
+        _leave_group(module)
         if slot == "forward":
             del module.__dict__["forward"]
         elif slot == "_old_forward":  # behind a hook, which calls it
@@ -244,7 +275,7 @@ def _routed_forward(module, dequantize, fused_matmul, siblings, x, *args, **kwar
     if siblings is not None and not needs_grad:
         group, index = siblings
         y = group.take(index, x)
-        if y is None and index == 0:
+        if y is None and index == 0 and group.launches():
             outputs = _merged_outputs(group, x, dtype)
             if outputs is not None:
                 group.hold(x, outputs)
@@ -276,8 +307,8 @@ def _routed_forward(module, dequantize, fused_matmul, siblings, x, *args, **kwar
 def _merged_outputs(group, x, dtype):
     """Every member's output from ``x`` in one launch (``matmul.group_plan``), in x's dtype, or None:
     a member with a bias, another compute dtype or a quant state not in it, or no such launch."""
-    if x.numel() > matmul.GROUP_MAX_ROWS * x.shape[-1]:  # a prefill: no group launch (matmul.group_plan)
-        return None
+    if x.dim() == 0 or x.numel() == 0 or x.numel() > matmul.GROUP_MAX_ROWS * x.shape[-1]:
+        return None  # the layer's own call says what is wrong; a prefill: no group launch (matmul.group_plan)
     states = []
     for layer in group.layers:
         quant_state = _quant_state(layer)

@@ -612,16 +612,19 @@ def test_merge_finds_peft_base_layers(device):
 
 
 def test_siblings_hand_out_only_what_their_input_computed():
-    """A held output goes to its own member, once, and only for the very input it was computed from."""
+    """A held output goes to its own member, once, and only for the very input it was computed from;
+    a call with another input drops what is held."""
     group = dropin.Siblings([None, None, None])
     x, other = torch.ones(2), torch.ones(2)
     outputs = [torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)]
     group.hold(x, outputs)
     assert group.take(0, x) is None  # the first member's own call returned it already
-    assert group.take(1, other) is None  # equal values, another tensor
     assert group.take(1, x) is outputs[1] and group.take(1, x) is None
     assert group.take(2, x) is outputs[2]
     assert group.held is None  # nothing held once all are taken
+    group.hold(x, outputs)
+    assert group.take(1, other) is None and group.held is None  # equal values, another tensor: dropped
+    assert group.take(2, x) is None
 
 
 def test_siblings_hand_out_nothing_after_a_change_in_place():
@@ -647,6 +650,98 @@ def test_siblings_hand_out_inference_tensors():
         outputs = [torch.zeros(1), torch.ones(1)]
         group.hold(x, outputs)
         assert group.take(1, x) is outputs[1] and group.held is None
+
+
+def test_siblings_stop_launching_for_untaken_outputs():
+    """Cross-attention (k and v read another input than q): each launch's outputs are dropped untaken,
+    and after ``MOST_MISSES`` such launches in a row the group launches no more; a launch fully taken
+    resets the count."""
+    group = dropin.Siblings([None, None, None])
+    outputs = [torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)]
+    x, encoded = torch.ones(2), torch.ones(2)
+    group.hold(x, outputs)
+    assert group.take(1, x) is outputs[1] and group.take(2, x) is outputs[2] and group.misses == 0
+    for misses in range(1, group.MOST_MISSES + 1):
+        assert group.launches()
+        group.hold(x, outputs)
+        assert group.take(1, encoded) is None and group.held is None and group.misses == misses
+    assert not group.launches()
+
+
+def test_siblings_copy_and_pickle_without_activations():
+    """A deep copy or a pickle of a group holds nothing, even an input that requires grad (deepcopy
+    refuses a non-leaf one)."""
+    group = dropin.Siblings([None, None])
+    x = torch.ones(2, requires_grad=True) * 2
+    group.hold(x, [torch.zeros(1), torch.ones(1)])
+    assert copy.deepcopy(group).held is None
+    buffer = io.BytesIO()
+    torch.save(group, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=False).held is None and group.held is not None
+
+
+def test_group_stops_when_a_member_leaves():
+    """A member routed again alone, or given back, ends its group: the others compute their own."""
+    model = Projections("cpu", torch.bfloat16)
+    dropin.enable(model, merge=True)
+    attention, _ = dropin.siblings_of(model.q_proj)
+    mlp, _ = dropin.siblings_of(model.gate_proj)
+    assert attention.launches() and mlp.launches()
+    dropin.enable(model.k_proj)
+    assert not attention.launches() and mlp.launches() and dropin.siblings_of(model.k_proj) is None
+    dropin.disable(model.up_proj)
+    assert not mlp.launches()
+    dropin.enable(model, merge=True)
+    assert dropin.siblings_of(model.q_proj)[0].launches() and dropin.siblings_of(model.gate_proj)[0].launches()
+
+
+def test_merged_scalar_input_fails_as_the_layer_does():
+    """A 0-dim input gets the layer's own error, not one from the group launch's shape arithmetic."""
+    model = Projections("cpu", torch.bfloat16)
+    dropin.enable(model)
+    with pytest.raises(Exception) as unmerged:
+        model.q_proj(torch.tensor(1.0, dtype=torch.bfloat16))
+    dropin.enable(model, merge=True)
+    with pytest.raises(type(unmerged.value)) as merged:
+        model.q_proj(torch.tensor(1.0, dtype=torch.bfloat16))
+    assert str(merged.value) == str(unmerged.value)
+
+
+class CrossOrSelf(torch.nn.Module):
+    """One attention module for self- and cross-attention, a graph break between q and k when compiled."""
+
+    def __init__(self):
+        super().__init__()
+        self.projections = Projections("cpu", torch.bfloat16)
+
+    def forward(self, x, kv):
+        q = self.projections.q_proj(x)
+        torch._dynamo.graph_break()
+        return q, self.projections.k_proj(kv), self.projections.v_proj(kv)
+
+
+def test_merged_handoff_across_a_graph_break(monkeypatch):
+    """Compiled with a graph break between the first member and the others, inputs alternating between
+    q's own (self-attention) and another (cross-attention): each member's output is its own input's.
+    The group launch is stood in for by each member's F.linear (the CPU has no group launch)."""
+    def launch_each(x2d, states, plan):
+        return [F.linear(x2d, expected_values(packed, state).to(x2d.dtype)) for packed, state in states]
+
+    monkeypatch.setattr(matmul, "group_plan", lambda x2d, states: "one launch")
+    monkeypatch.setattr(matmul, "linear_group", launch_each)
+    model = CrossOrSelf()
+    dropin.enable(model, merge=True)
+    layers = [model.projections.k_proj, model.projections.v_proj]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        for step in range(9):
+            x = torch.randn(2, 512, dtype=torch.bfloat16)
+            kv = torch.randn(2, 512, dtype=torch.bfloat16) if step % 3 == 0 else x
+            _, k, v = compiled(x, kv)
+            for got, layer in zip((k, v), layers):
+                assert_bit_exact(got, F.linear(kv, expected_weight(layer).to(kv.dtype)))
 
 
 def member_alone(layer, x, config):
@@ -707,6 +802,7 @@ def test_gpu_merged_projections_equal_each_alone(rows, dtype, monkeypatch):
         changed.mul_(2)  # in place between the members' calls: k computes from the input as it is now
         assert_bit_exact(model.k_proj(changed), model.k_proj.forward.func(model.k_proj, kernel.dequantize_nf4, True,
                                                                         None, changed))
+        dropin.enable(model, merge=True)  # the two misses above stopped the group's launches
         eager = model(x)
         assert len(launches) == 6
         torch._dynamo.reset()
