@@ -721,15 +721,39 @@ class CrossOrSelf(torch.nn.Module):
         return q, self.projections.k_proj(kv), self.projections.v_proj(kv)
 
 
-def test_merged_handoff_across_a_graph_break(monkeypatch):
-    """Compiled with a graph break between the first member and the others, inputs alternating between
-    q's own (self-attention) and another (cross-attention): each member's output is its own input's.
-    The group launch is stood in for by each member's F.linear (the CPU has no group launch)."""
-    def launch_each(x2d, states, plan):
+def launch_each(monkeypatch, launches):
+    """The group launch stood in for by each member's F.linear (the CPU has no group launch), counted."""
+    def linear_group(x2d, states, plan):
+        launches.append(1)
         return [F.linear(x2d, expected_values(packed, state).to(x2d.dtype)) for packed, state in states]
 
     monkeypatch.setattr(matmul, "group_plan", lambda x2d, states: "one launch")
-    monkeypatch.setattr(matmul, "linear_group", launch_each)
+    monkeypatch.setattr(matmul, "linear_group", linear_group)
+
+
+def test_merged_forward_compiles_whole(monkeypatch):
+    """The merged forward, handoff and all, in one compiled graph: no break, two group launches traced,
+    each output its own layer's."""
+    from torch._dynamo.utils import counters
+
+    launches = []
+    launch_each(monkeypatch, launches)
+    model = Projections("cpu", torch.bfloat16)
+    dropin.enable(model, merge=True)
+    x = torch.randn(3, 512, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="eager", fullgraph=True)(x)
+        assert not counters["graph_break"] and len(launches) == 2
+        dropin.enable(model)
+        assert_bit_exact(compiled, model(x))
+
+
+def test_merged_handoff_across_a_graph_break(monkeypatch):
+    """Compiled with a graph break between the first member and the others, inputs alternating between
+    q's own (self-attention) and another (cross-attention): each member's output is its own input's."""
+    launch_each(monkeypatch, [])
     model = CrossOrSelf()
     dropin.enable(model, merge=True)
     layers = [model.projections.k_proj, model.projections.v_proj]
