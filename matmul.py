@@ -653,9 +653,9 @@ def mma_supported(x2d, k, blocksize, config):
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
-def _require(condition, message):
+def _require(condition, message, caller="nf4_linear"):
     if not condition:
-        raise ValueError(f"nf4_linear: {message}")
+        raise ValueError(f"{caller}: {message}")
 
 
 def _fused_supported(blocksize, k, x):
@@ -690,27 +690,37 @@ def nf4_linear(x, weight, quant_state=None, bias=None):
     return linear_by_route(x, packed, qs, bias, route)
 
 
-def _validated(x, weight, quant_state, bias):
+def _validated(x, weight, quant_state, bias, caller="nf4_linear"):
     """(packed, quant_state, out_features, in_features) of ``nf4_linear``'s arguments, or a ValueError
     naming what is wrong."""
     packed, qs = quantstate.resolve(weight, quant_state)
-    _require(isinstance(x, torch.Tensor), f"x must be a tensor, got {type(x).__name__}")
-    _require(isinstance(packed, torch.Tensor), f"weight must be a tensor, Params4bit or Linear4bit, got {type(weight).__name__}")
-    _require(qs is not None, "no quant_state given and the weight carries none")
-    _require(x.dtype in quantstate.OUTPUT_DTYPES, f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    shape = getattr(qs, "shape", None)
+    _require(isinstance(x, torch.Tensor), f"x must be a tensor, got {type(x).__name__}", caller)
+    _require(isinstance(packed, torch.Tensor),
+             f"weight must be a tensor, Params4bit or Linear4bit, got {type(weight).__name__}", caller)
+    _require(qs is not None, "no quant_state given and the weight carries none", caller)
+    _require(hasattr(qs, "shape") and hasattr(qs, "absmax"),
+             f"quant_state must be a bitsandbytes 4-bit QuantState, got {type(qs).__name__}", caller)
+    _require(packed.device.type != "meta", "the weight is a meta tensor: it has no bytes to read", caller)
+    shape = qs.shape
     _require(isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 2,
-             f"the quant_state's shape must be (out, in), got {shape!r}")
+             f"the quant_state's shape must be (out, in), got {shape!r}", caller)
     out_features, in_features = (int(dim) for dim in shape)
+    _check_call(x, bias, out_features, in_features, caller)
+    _require(x.device == packed.device, f"x is on {x.device} but the weight is on {packed.device}", caller)
+    return packed, qs, out_features, in_features
+
+
+def _check_call(x, bias, out_features, in_features, caller):
+    """x's dtype and features, and the bias' shape, dtype and device, against a weight (out, in)."""
+    _require(x.dtype in quantstate.OUTPUT_DTYPES, f"x must be float16, bfloat16 or float32, got {x.dtype}", caller)
     _require(x.dim() >= 1 and x.shape[-1] == in_features,
-             f"x has {x.shape[-1] if x.dim() else 0} features in its last dimension, the weight takes {in_features}")
-    _require(x.device == packed.device, f"x is on {x.device} but the weight is on {packed.device}")
+             f"x has {x.shape[-1] if x.dim() else 0} features in its last dimension, the weight takes {in_features}",
+             caller)
     if bias is not None:
         _require(isinstance(bias, torch.Tensor) and bias.shape == (out_features,),
-                 f"bias must be a tensor of shape ({out_features},), got {getattr(bias, 'shape', bias)!r}")
-        _require(bias.dtype == x.dtype, f"bias must be {x.dtype} like x, got {bias.dtype}")
-        _require(bias.device == x.device, f"bias is on {bias.device} but x is on {x.device}")
-    return packed, qs, out_features, in_features
+                 f"bias must be a tensor of shape ({out_features},), got {getattr(bias, 'shape', bias)!r}", caller)
+        _require(bias.dtype == x.dtype, f"bias must be {x.dtype} like x, got {bias.dtype}", caller)
+        _require(bias.device == x.device, f"bias is on {bias.device} but x is on {x.device}", caller)
 
 
 def nf4_linear_group(x, weights):
@@ -718,8 +728,9 @@ def nf4_linear_group(x, weights):
     where ``group_plan`` allows it: the projections a layer reads from one input, such as q, k and v
     or gate and up. Each output equals that weight's alone through the same tile; the tile is the
     route's for the rows of all (NOTES.md item 88)."""
-    _require(1 <= len(weights) <= 3, f"weights must be 1 to 3 layers, got {len(weights)}")
-    states = [_validated(x, weight, None, None)[:2] for weight in weights]
+    _require(isinstance(weights, (list, tuple)) and 1 <= len(weights) <= 3,
+             f"weights must be a list of 1 to 3 layers, got {weights!r:.80}", "nf4_linear_group")
+    states = [_validated(x, weight, None, None, "nf4_linear_group")[:2] for weight in weights]
     lead, in_features = x.shape[:-1], x.shape[-1]
     x2d = x.reshape(-1, in_features)
     plan = group_plan(x2d, states)
@@ -804,25 +815,39 @@ def _launch_group(x2d, packed, tables, rows, blocksize, blocksize2, nested, fp4,
 
 
 def linear_by_route(x, packed, qs, bias, route):
-    """``nf4_linear`` through the given Route (tests and benchmarks force each one)."""
+    """``nf4_linear`` through the given Route (tests and benchmarks force each one; the drop-in's
+    call, its layer checked). x's dtype and features and the bias are checked here, the weight's
+    layout where the fused kernel reads it. A non-contiguous bias is read contiguous; x or a bias
+    that requires grad, with grad enabled, takes dequantize + F.linear (autograd) instead of the
+    fused kernel; so does bf16 x under Triton's interpreter, whose tl.dot of bf16 is wrong (3.9)."""
+    _require(isinstance(route, Route), f"route must be a matmul.Route, got {type(route).__name__}", "linear_by_route")
     out_features, in_features = (int(dim) for dim in qs.shape)
-    lead = x.shape[:-1]
-    x2d = _rows_contiguous(x.reshape(-1, in_features))
+    _check_call(x, bias, out_features, in_features, "linear_by_route")
     path = route.path
     if path == "bitsandbytes" and (INTERPRET or torch.compiler.is_compiling()):
         path = "dequantize"  # its kernels run on CUDA tensors, and outside a compiled graph
+    if path == "fused" and (in_features == 0 or (torch.is_grad_enabled() and (
+            x.requires_grad or (bias is not None and bias.requires_grad)))):
+        path = "dequantize"
     if path == "fused":
+        lead = x.shape[:-1]
+        x2d = _rows_contiguous(x.reshape(-1, in_features))
         _, blocksize, nested, blocksize2, tables = quantstate.check_state(packed, qs)
         if x2d.numel() == 0 or out_features == 0 or not _fused_supported(blocksize, in_features, x2d):
             path = "dequantize"
         elif (taken := route_taken(x2d, out_features, blocksize, route)) is not route:
             return linear_by_route(x, packed, qs, bias, taken)
+        elif INTERPRET and x2d.dtype is torch.bfloat16 and route.config.dot:
+            path = "dequantize"
     if path == "bitsandbytes":
         import bitsandbytes
 
-        return bitsandbytes.matmul_4bit(x2d, packed, quant_state=qs, bias=bias).reshape(*lead, out_features)
+        x2d = _rows_contiguous(x.reshape(-1, in_features))
+        return bitsandbytes.matmul_4bit(x2d, packed, quant_state=qs, bias=bias).reshape(*x.shape[:-1], out_features)
     if path == "dequantize":
         return F.linear(x, decoded_weight(packed, qs, x.dtype), bias)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()  # the kernels read it with unit stride
     if torch.compiler.is_compiling():
         absmax, code, absmax2, code2, offset = tables
         y = torch.ops.nf4_triton.linear(x2d, packed.view(torch.uint8), absmax, code, absmax2, code2, offset, bias,

@@ -136,8 +136,12 @@ def check_state(packed, qs):
     n_elements = shape.numel()
     n_blocks = -(-n_elements // blocksize)
     n_bytes = packed.numel() * packed.element_size()
-    require(n_bytes >= (n_elements + 1) // 2,
-            f"dequantize_nf4: packed weight has {n_bytes} bytes, shape {tuple(shape)} needs {(n_elements + 1) // 2}")
+    needed = (n_elements + 1) // 2
+    require(n_bytes >= needed, f"dequantize_nf4: packed weight has {n_bytes} bytes, shape {tuple(shape)} needs {needed}")
+    # at most a storage element's padding: more is another weight's bytes, or values converted (packed.float())
+    require(n_bytes < needed + packed.element_size(),
+            f"dequantize_nf4: packed weight has {n_bytes} bytes, shape {tuple(shape)} holds {needed} "
+            f"(another weight's quant_state, or its bytes converted rather than viewed as {packed.dtype}?)")
     if not torch.compiler.is_compiling():  # a traced tensor has no storage of its own to measure
         stored = packed.untyped_storage().nbytes() - packed.storage_offset() * packed.element_size()
         require(stored >= n_bytes, f"dequantize_nf4: packed weight spans {n_bytes} bytes but its storage holds "

@@ -159,7 +159,8 @@ def test_nf4_linear_decodes_to_x_dtype():
     assert_within_bound(y, x, decoded(packed, state, torch.float32))
 
 
-@pytest.mark.parametrize("case", ["features", "dtype", "bias shape", "bias dtype", "no state", "state shape"])
+@pytest.mark.parametrize("case", ["features", "dtype", "bias shape", "bias dtype", "no state", "state shape",
+                                  "not a state", "another weight's state", "bytes converted", "meta weight"])
 def test_nf4_linear_errors_name_the_problem(case):
     packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=1)
     x = torch.randn(2, 128).half().to(DEVICE)
@@ -177,8 +178,84 @@ def test_nf4_linear_errors_name_the_problem(case):
     elif case == "state shape":
         state.shape = (24 * 128,)
         words = r"shape must be \(out, in\)"
+    elif case == "not a state":
+        args, words = (x, packed, object()), "must be a bitsandbytes 4-bit QuantState"
+    elif case == "another weight's state":  # twice the bytes: read as this shape, half of them would be ignored
+        larger, _ = quantize((48, 128), dtype=torch.float16, device=DEVICE, seed=1)
+        args, words = (x, larger, state), "holds 1536"
+    elif case == "bytes converted":  # values converted, not the bytes viewed: 4 bytes a packed byte
+        args, words = (x, packed.float(), state), "converted rather than viewed"
+    elif case == "meta weight":
+        args, words = (x.to("meta"), packed.to("meta"), state), "meta tensor"
     with pytest.raises(ValueError, match=words):
         matmul.nf4_linear(*args, **kwargs)
+
+
+@pytest.mark.parametrize("case", ["route", "x dtype", "short bias"])
+def test_linear_by_route_checks_its_call(case):
+    """The forced routes check x and the bias too: a short bias would be read past its end."""
+    packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=1)
+    x = torch.randn(2, 128).half().to(DEVICE)
+    route, bias, words = matmul.Route(8, "fused", C(16, 16, 64, 1, True, 4, 2, 0)), None, ""
+    if case == "route":
+        route, words = None, "route must be a matmul.Route"
+    elif case == "x dtype":
+        x, route, words = x.to(torch.int32), matmul.Route(8, "dequantize"), "float16, bfloat16 or float32"
+    elif case == "short bias":
+        bias, words = torch.zeros(32, dtype=torch.float16, device=DEVICE)[:23], "bias must be a tensor of shape"
+    with pytest.raises(ValueError, match=words):
+        matmul.linear_by_route(x, packed, state, bias, route)
+
+
+@pytest.mark.parametrize("bias_form", ["strided", "expanded"])
+def test_nf4_linear_reads_a_strided_bias(bias_form):
+    """A bias view with a stride other than one is added element by element, not read as contiguous."""
+    packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=2)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).half().to(DEVICE)
+    if bias_form == "strided":
+        bias = torch.arange(48, dtype=torch.float16, device=DEVICE)[::2]
+    else:
+        bias = torch.full((1,), 7.0, dtype=torch.float16, device=DEVICE).expand(24)
+    for config in (C(16, 16, 64, 1, True, 4, 2, 0), C(16, 16, 64, 2, True, 4, 2, 0)):  # bias in the kernel, in the sum
+        y = matmul.linear_by_route(x, packed, state, bias, matmul.Route(8, "fused", config))
+        assert_within_bound(y, x, decoded(packed, state, torch.float16), bias)
+
+
+def test_nf4_linear_keeps_the_gradient():
+    """x that requires grad, with grad enabled: the result carries x's and the bias' gradients (dequantize +
+    F.linear), where the fused kernel, which records no graph, would drop them."""
+    packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=3)
+    x = torch.randn(2, 128).half().to(DEVICE).requires_grad_()
+    bias = torch.zeros(24, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    y = matmul.linear_by_route(x, packed, state, bias, matmul.Route(8, "fused", C(16, 16, 64, 1, True, 4, 2, 0)))
+    y.float().sum().backward()
+    weight = decoded(packed, state, torch.float16)
+    assert torch.equal(x.grad, torch.ones(2, 24, dtype=torch.float16, device=DEVICE) @ weight)
+    assert torch.equal(bias.grad, torch.full((24,), 2.0, dtype=torch.float16, device=DEVICE))
+
+
+def test_nf4_linear_without_input_features():
+    """A weight of no input features gives what F.linear gives: the bias, or zeros."""
+    packed, state = quantize((24, 0), dtype=torch.float16, device=DEVICE, seed=5)
+    x = torch.randn(2, 0).half().to(DEVICE)
+    assert torch.equal(matmul.nf4_linear(x, packed, state), torch.zeros(2, 24, dtype=torch.float16, device=DEVICE))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter's bf16 dot")
+def test_interpreter_bf16_takes_no_dot():
+    """Under the interpreter, whose tl.dot of bf16 operands is wrong (Triton 3.9), bf16 x on a tensor-core
+    route is dequantized: within the bound, not the dot's garbage."""
+    packed, state = quantize((24, 128), dtype=torch.bfloat16, device=DEVICE, seed=6)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    y = matmul.linear_by_route(x, packed, state, None, matmul.Route(8, "fused", C(16, 16, 64, 1, True, 4, 2, 0)))
+    assert_within_bound(y, x, decoded(packed, state, torch.bfloat16))
+
+
+def test_nf4_linear_group_names_itself():
+    """Weights not given as a list (here a generator) get the group's own error."""
+    packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=1)
+    with pytest.raises(ValueError, match="nf4_linear_group: weights must be a list of 1 to 3 layers"):
+        matmul.nf4_linear_group(torch.randn(2, 128).half().to(DEVICE), (layer for layer in [(packed, state)]))
 
 
 def test_routes_are_well_formed():
