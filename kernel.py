@@ -460,7 +460,7 @@ def _traced_call(packed, qs, tables, shape, transpose, blocksize, blocksize2, ne
     """Inside torch.compile: the validated call becomes one operator call that Inductor can see."""
     absmax, code, absmax2, code2, offset = tables
     result = torch.ops.nf4_triton.dequantize(
-        packed.view(torch.uint8), absmax, code, absmax2, code2, offset, list(shape), qs.dtype,
+        quantstate.packed_bytes(packed), absmax, code, absmax2, code2, offset, list(shape), qs.dtype,
         blocksize, blocksize2, nested, qs.quant_type == "fp4")
     if out is not None:
         out.copy_(result)
@@ -490,6 +490,7 @@ def _check_out(out, shape, dtype, inputs):
     require(out.device == inputs[0].device,
             f"dequantize_nf4: out is on {out.device} but the packed weight is on {inputs[0].device}")
     require(out.is_contiguous(), "dequantize_nf4: out must be contiguous")
+    require(not out.requires_grad, "dequantize_nf4: out must not require grad (it is written outside autograd)")
     for name, tensor in zip(("packed weight", "absmax", "code", "state2.absmax", "state2.code", "offset"), inputs):
         require(not _overlaps(out, tensor), f"dequantize_nf4: out overlaps the {name}")
 
@@ -509,8 +510,10 @@ def _validate_and_launch(weight, quant_state, out, overrides):
     result = out.t() if transpose else out
     if shape.numel() == 0:
         return result, None
-    launch_kernel = _launch(packed.view(torch.uint8), tables, out, blocksize=blocksize, blocksize2=blocksize2,
+    launch_kernel = _launch(quantstate.packed_bytes(packed), tables, out, blocksize=blocksize, blocksize2=blocksize2,
                             nested=nested, fp4=qs.quant_type == "fp4", overrides=overrides)
+    if not planned and not out.is_inference():
+        torch.autograd.graph.increment_version(out)  # written in place: autograd refuses a graph that saved it
     if not (planned and fastpath.can_watch(qs)):
         return result, None
     return result, quantstate.WeightPlan(PLANS, packed, qs, checked, out, transpose, launch_kernel)

@@ -783,7 +783,7 @@ def linear_group(x2d, states, plan):
     _, blocksize, nested, blocksize2, _ = plan.layouts[0]
     rows = [int(qs.shape[0]) for _, qs in states]
     fp4 = states[0][1].quant_type == "fp4"
-    packed = [p.view(torch.uint8) for p, _ in states]
+    packed = [quantstate.packed_bytes(p) for p, _ in states]
     tables = [layout[4] for layout in plan.layouts]
     if torch.compiler.is_compiling():
         return torch.ops.nf4_triton.linear_group(x2d, packed, *(list(column) for column in zip(*tables)), rows,
@@ -850,11 +850,11 @@ def linear_by_route(x, packed, qs, bias, route):
         bias = bias.contiguous()  # the kernels read it with unit stride
     if torch.compiler.is_compiling():
         absmax, code, absmax2, code2, offset = tables
-        y = torch.ops.nf4_triton.linear(x2d, packed.view(torch.uint8), absmax, code, absmax2, code2, offset, bias,
+        y = torch.ops.nf4_triton.linear(x2d, quantstate.packed_bytes(packed), absmax, code, absmax2, code2, offset, bias,
                                         out_features, blocksize, blocksize2, nested, qs.quant_type == "fp4",
                                         [int(value) for value in route.config])
         return y.reshape(*lead, out_features)
-    y = _launch_linear(x2d, packed.view(torch.uint8), tables, bias, out_features, blocksize, blocksize2, nested,
+    y = _launch_linear(x2d, quantstate.packed_bytes(packed), tables, bias, out_features, blocksize, blocksize2, nested,
                        qs.quant_type == "fp4", route.config)
     return y.reshape(*lead, out_features)
 

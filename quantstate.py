@@ -15,7 +15,7 @@ import fastpath
 from fastpath import INTERPRET, launch_hooks_active
 
 __all__ = ["OUTPUT_DTYPES", "require", "is_power_of_two", "weight_and_state", "resolve", "check_weight", "check_state",
-           "offset_tensor", "WeightPlan"]
+           "packed_bytes", "offset_tensor", "WeightPlan"]
 
 OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -92,13 +92,29 @@ def _forget_offset(offsets, state_id, state_ref):
         del offsets[state_id]
 
 
+def packed_bytes(packed):
+    """A contiguous packed weight's bytes as a uint8 view, whatever its storage dtype and the stride of a
+    dimension of size one (``(1, n).t()`` of fp16 storage cannot be viewed as uint8 as it is: flattened)."""
+    if packed.element_size() != 1 and packed.dim() and packed.stride(-1) != 1:
+        packed = packed.reshape(-1)
+    return packed.view(torch.uint8)
+
+
+def _fp32_key(value):
+    """The 4 bytes of ``value`` rounded to fp32, as the offset's tensor holds it (past fp32's range too)."""
+    try:
+        return struct.pack("<f", value)
+    except OverflowError:  # struct refuses what fp32 rounds to its largest value or to infinity
+        return struct.pack("<i", torch.tensor([value], dtype=torch.float32).view(torch.int32).item())
+
+
 def offset_tensor(qs, value, device):
     """The tensor for an offset ``qs`` gives as a Python float: one per state, held while the state
     lives and keeps that value, as the state holds its tables (a plan or a captured CUDA graph reads
     its address). A state without weakrefs gets a tensor for the call: it gets no plan either."""
     if torch.compiler.is_compiling():  # the traced graph makes it and holds it (Dynamo cannot enter a lock)
         return torch.tensor([value], dtype=torch.float32, device=device)
-    state_id, value_key = id(qs), (struct.pack("<f", value), device)
+    state_id, value_key = id(qs), (_fp32_key(value), device)
     with _OFFSETS_LOCK:
         held = _OFFSETS.get(state_id)
         if held is not None and held[0]() is qs and held[1] == value_key:
@@ -226,7 +242,7 @@ class WeightPlan(fastpath.LaunchPlan):
     served fresh; the packed bytes may move to any address of the same 16-byte alignment, on which
     Triton specialized the kernel and the word loads depend."""
 
-    __slots__ = ("facts", "nested", "nested_facts", "offset", "held_at")
+    __slots__ = ("facts", "nested", "nested_facts", "offset", "offset_launched", "held_at")
 
     def __init__(self, cache, packed, qs, checked, out, transpose, launch_kernel):
         """``checked``: ``check_state(packed, qs)`` as launched; the rest as ``fastpath.LaunchPlan``'s."""
@@ -244,6 +260,9 @@ class WeightPlan(fastpath.LaunchPlan):
         # An offset given as a float: its value; as a tensor: its (address, dtype, size).
         self.offset = ((offset.data_ptr(), offset.dtype, offset.numel()) if isinstance(qs.offset, torch.Tensor)
                        else qs.offset) if nested else None
+        # A float's tensor as launched, held: the state's next tensor (another value) would free it,
+        # and a later call with the first value again would read freed memory.
+        self.offset_launched = offset if nested else None
         # The storage must still hold the bytes: FSDP frees a flat parameter with `resize_(0)` under
         # the views it hands out, and any storage can be resized smaller under a view. Resizing a
         # storage moves its bytes (torch allocates anew, or frees to null), so the check runs when

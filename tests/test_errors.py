@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernel
-from helpers import assert_bit_exact, quantize
+from helpers import assert_bit_exact, expected_values, quantize
 
 
 @pytest.fixture
@@ -242,3 +242,57 @@ def test_out_overlapping_an_input(target, device):
     with pytest.raises(ValueError, match=f"out overlaps the {target}"):
         kernel.dequantize_nf4(packed, state, out=out)
     assert torch.equal(storage[:source_bytes.numel()], source_bytes)
+
+
+def test_out_that_requires_grad(weight):
+    """out is written outside autograd: one that requires grad is refused."""
+    packed, state = weight
+    out = torch.empty(8, 64, dtype=state.dtype, device=packed.device, requires_grad=True)
+    with pytest.raises(ValueError, match="out must not require grad"):
+        kernel.dequantize_nf4(packed, state, out=out)
+
+
+def test_out_written_bumps_its_version(weight):
+    """A graph that saved out before it was written refuses to run backward, as after any in-place write."""
+    packed, state = weight
+    out = torch.zeros(8, 64, dtype=state.dtype, device=packed.device)
+    x = torch.ones(8, 64, dtype=state.dtype, device=packed.device, requires_grad=True)
+    y = (x * out).sum()
+    kernel.dequantize_nf4(packed, state, out=out)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_offset_past_fp32_range(device):
+    """A float offset beyond fp32's range is rounded as fp32 rounds it (to infinity), not refused by the
+    cache key's packing."""
+    packed, state = quantize((8, 64), dtype=torch.float32, device=device, seed=4)
+    state.offset = 1e39
+    assert_bit_exact(kernel.dequantize_nf4(packed, state), expected_values(packed, state))
+
+
+def test_plan_keeps_its_offset_tensor(device):
+    """A float offset's tensor stays alive while a kept launch reads it: after another value's tensor
+    replaced it for the state, the first value again is served exact, not from freed memory."""
+    packed, state = quantize((64, 64), dtype=torch.float32, device=device, seed=5)
+    first = float(state.offset)
+    state.offset = first
+    expected = expected_values(packed, state)
+    assert_bit_exact(kernel.dequantize_nf4(packed, state), expected)  # a plan kept
+    state.offset = 0.25
+    with pytest.raises(ValueError):  # a call that checks, keeps no plan, and makes the state a new offset tensor
+        kernel.dequantize_nf4(packed, state, out=torch.empty(3, device=device))
+    state.offset = first
+    junk = [torch.full((1,), 1e4, device=device) for _ in range(2000)]  # reuse what was freed
+    assert_bit_exact(kernel.dequantize_nf4(packed, state), expected)
+    del junk
+
+
+@pytest.mark.parametrize("storage", [torch.float16, torch.float32], ids=str)
+def test_packed_with_a_unit_dimension_strided(storage, device):
+    """A contiguous packed weight whose dimension of size one has another stride ((1, n).t() of a wider
+    storage dtype) is read as its bytes."""
+    packed, state = quantize((8, 64), dtype=torch.float16, storage=storage, device=device, seed=6)
+    transposed = packed.reshape(1, -1).clone().t()
+    assert transposed.is_contiguous() and transposed.stride() != packed.stride()
+    assert_bit_exact(kernel.dequantize_nf4(transposed, state), expected_values(packed, state))
