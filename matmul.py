@@ -687,7 +687,7 @@ def nf4_linear(x, weight, quant_state=None, bias=None):
     rows = x.numel() // in_features if in_features else 0
     capability = device_facts(x.device)[0]
     route = choose_route(capability, rows, in_features, out_features)
-    return linear_by_route(x, packed, qs, bias, route)
+    return _on_route(x, packed, qs, bias, route, out_features, in_features)  # checked by _validated
 
 
 def _validated(x, weight, quant_state, bias, caller="nf4_linear"):
@@ -823,27 +823,32 @@ def linear_by_route(x, packed, qs, bias, route):
     _require(isinstance(route, Route), f"route must be a matmul.Route, got {type(route).__name__}", "linear_by_route")
     out_features, in_features = (int(dim) for dim in qs.shape)
     _check_call(x, bias, out_features, in_features, "linear_by_route")
+    return _on_route(x, packed, qs, bias, route, out_features, in_features)
+
+
+def _on_route(x, packed, qs, bias, route, out_features, in_features):
+    """``linear_by_route`` for checked arguments."""
     path = route.path
     if path == "bitsandbytes" and (INTERPRET or torch.compiler.is_compiling()):
         path = "dequantize"  # its kernels run on CUDA tensors, and outside a compiled graph
-    if path == "fused" and (in_features == 0 or (torch.is_grad_enabled() and (
-            x.requires_grad or (bias is not None and bias.requires_grad)))):
+    if in_features == 0 or (path == "fused" and torch.is_grad_enabled() and (
+            x.requires_grad or (bias is not None and bias.requires_grad))):
         path = "dequantize"
-    if path == "fused":
+    if path != "dequantize":
         lead = x.shape[:-1]
         x2d = _rows_contiguous(x.reshape(-1, in_features))
+    if path == "fused":
         _, blocksize, nested, blocksize2, tables = quantstate.check_state(packed, qs)
         if x2d.numel() == 0 or out_features == 0 or not _fused_supported(blocksize, in_features, x2d):
             path = "dequantize"
         elif (taken := route_taken(x2d, out_features, blocksize, route)) is not route:
-            return linear_by_route(x, packed, qs, bias, taken)
+            return _on_route(x, packed, qs, bias, taken, out_features, in_features)
         elif INTERPRET and x2d.dtype is torch.bfloat16 and route.config.dot:
             path = "dequantize"
     if path == "bitsandbytes":
         import bitsandbytes
 
-        x2d = _rows_contiguous(x.reshape(-1, in_features))
-        return bitsandbytes.matmul_4bit(x2d, packed, quant_state=qs, bias=bias).reshape(*x.shape[:-1], out_features)
+        return bitsandbytes.matmul_4bit(x2d, packed, quant_state=qs, bias=bias).reshape(*lead, out_features)
     if path == "dequantize":
         return F.linear(x, decoded_weight(packed, qs, x.dtype), bias)
     if bias is not None and not bias.is_contiguous():

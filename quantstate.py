@@ -262,7 +262,7 @@ class WeightPlan(fastpath.LaunchPlan):
                        else qs.offset) if nested else None
         # A float's tensor as launched, held: the state's next tensor (another value) would free it,
         # and a later call with the first value again would read freed memory.
-        self.offset_launched = offset if nested else None
+        self.offset_launched = offset if nested and not isinstance(qs.offset, torch.Tensor) else None
         # The storage must still hold the bytes: FSDP frees a flat parameter with `resize_(0)` under
         # the views it hands out, and any storage can be resized smaller under a view. Resizing a
         # storage moves its bytes (torch allocates anew, or frees to null), so the check runs when
