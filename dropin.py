@@ -36,6 +36,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+import fastpath
 import kernel
 import matmul
 import quantstate
@@ -263,8 +264,10 @@ def _routed_forward(module, dequantize, fused_matmul, siblings, x, *args, **kwar
     weight = module.weight
     quant_state = _quant_state(module)
     # bitsandbytes' CPU layout: its forward repacks a CPU weight in place for its AVX512-BF16 kernel
-    # on its first inference call, a format only that forward reads, so it computes such a layer.
-    if quant_state is None or args or kwargs or (x.is_cpu and getattr(quant_state, "packing_format_for_cpu", False)):
+    # on its first inference call, a format only that forward reads, so it computes such a layer; and
+    # CPU tensors where Triton's interpreter is off (a GPU host), which no kernel here can run.
+    if quant_state is None or args or kwargs or (x.is_cpu and (
+            not fastpath.INTERPRET or getattr(quant_state, "packing_format_for_cpu", False))):
         return bitsandbytes_forward(module, x, *args, **kwargs)
     if not module.compute_type_is_set:  # what bitsandbytes' forward does on its first call
         module.set_compute_type(x)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import dropin
+import fastpath
 import kernel
 import matmul
 from helpers import assert_bit_exact, assert_unchanged, bit_exact, expected_values, linear4bit, quantize, snapshot
@@ -419,6 +420,19 @@ def test_cpu_repacked_layer_goes_to_bitsandbytes(monkeypatch):
     assert handed == [layer] and calls == []
 
 
+def test_cpu_tensors_without_the_interpreter_go_to_bitsandbytes(monkeypatch):
+    """On a GPU host Triton's interpreter is off: a layer on the CPU, merged or not, computes through
+    bitsandbytes' own forward, never a kernel that cannot run CPU tensors."""
+    monkeypatch.setattr(fastpath, "INTERPRET", False)
+    model = Projections("cpu", torch.bfloat16)
+    calls, handed = [], []
+    dropin.enable(model, dequantize=counted(calls), merge=True)
+    monkeypatch.setattr(dropin, "bitsandbytes_forward", lambda module, x: handed.append(module) or x[..., :1])
+    with torch.no_grad():
+        model(torch.randn(2, 512, dtype=torch.bfloat16))
+    assert len(handed) == 6 and calls == []
+
+
 def test_cpu_repacked_weight_named_by_dequantize():
     with pytest.raises(ValueError, match="bitsandbytes' CPU layout"):
         kernel.dequantize_nf4(cpu_repacked_layer(seed=66))
@@ -711,9 +725,9 @@ def test_merged_scalar_input_fails_as_the_layer_does():
 class CrossOrSelf(torch.nn.Module):
     """One attention module for self- and cross-attention, a graph break between q and k when compiled."""
 
-    def __init__(self):
+    def __init__(self, device):
         super().__init__()
-        self.projections = Projections("cpu", torch.bfloat16)
+        self.projections = Projections(device, torch.bfloat16)
 
     def forward(self, x, kv):
         q = self.projections.q_proj(x)
@@ -731,41 +745,51 @@ def launch_each(monkeypatch, launches):
     monkeypatch.setattr(matmul, "linear_group", linear_group)
 
 
-def test_merged_forward_compiles_whole(monkeypatch):
+def test_merged_forward_compiles_whole(monkeypatch, device):
     """The merged forward, handoff and all, in one compiled graph: no break, two group launches traced,
-    each output its own layer's."""
+    each output the eager merged forward's (the same stand-in launches; o through the drop-in)."""
     from torch._dynamo.utils import counters
 
     launches = []
     launch_each(monkeypatch, launches)
-    model = Projections("cpu", torch.bfloat16)
+    model = Projections(device, torch.bfloat16)
     dropin.enable(model, merge=True)
-    x = torch.randn(3, 512, dtype=torch.bfloat16)
+    x = torch.randn(3, 512, dtype=torch.bfloat16, device=device)
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
         compiled = torch.compile(model, backend="eager", fullgraph=True)(x)
         assert not counters["graph_break"] and len(launches) == 2
-        dropin.enable(model)
         assert_bit_exact(compiled, model(x))
+        assert len(launches) == 4
+        members = {"q_proj": 0, "k_proj": 256, "v_proj": 384, "gate_proj": 1024, "up_proj": 1408}
+        for name, start in members.items():
+            layer = getattr(model, name)
+            assert_bit_exact(compiled[:, start:start + layer.out_features].contiguous(),
+                             F.linear(x, expected_weight(layer).to(x.dtype)))
 
 
-def test_merged_handoff_across_a_graph_break(monkeypatch):
+def test_merged_handoff_across_a_graph_break(monkeypatch, device):
     """Compiled with a graph break between the first member and the others, inputs alternating between
-    q's own (self-attention) and another (cross-attention): each member's output is its own input's."""
+    q's own (self-attention) and another (cross-attention): each member's output is its own input's, as
+    the eager forward gives it (and on the CPU, where the stand-in launch and a member's own call compute
+    alike, the layer's own product)."""
     launch_each(monkeypatch, [])
-    model = CrossOrSelf()
+    model = CrossOrSelf(device)
     dropin.enable(model, merge=True)
     layers = [model.projections.k_proj, model.projections.v_proj]
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="eager")
     with torch.no_grad():
         for step in range(9):
-            x = torch.randn(2, 512, dtype=torch.bfloat16)
-            kv = torch.randn(2, 512, dtype=torch.bfloat16) if step % 3 == 0 else x
+            x = torch.randn(2, 512, dtype=torch.bfloat16, device=device)
+            kv = torch.randn(2, 512, dtype=torch.bfloat16, device=device) if step % 3 == 0 else x
             _, k, v = compiled(x, kv)
-            for got, layer in zip((k, v), layers):
-                assert_bit_exact(got, F.linear(kv, expected_weight(layer).to(kv.dtype)))
+            _, eager_k, eager_v = model(x, kv)
+            for got, eager, layer in zip((k, v), (eager_k, eager_v), layers):
+                assert_bit_exact(got, eager)
+                if device == "cpu":
+                    assert_bit_exact(got, F.linear(kv, expected_weight(layer).to(kv.dtype)))
 
 
 def member_alone(layer, x, config):
