@@ -295,7 +295,11 @@ def _routed_forward(module, dequantize, fused_matmul, siblings, x, *args, **kwar
         bias = bias.to(dtype)
     packed, quant_state = quantstate.resolve(weight, quant_state)
     if route is not None:
-        y = matmul.linear_by_route(compute_x, packed, quant_state, bias, route)
+        out_features, in_features = (int(dim) for dim in quant_state.shape)
+        if bias is not None and (bias.shape != (out_features,) or bias.device != x.device):
+            return bitsandbytes_forward(module, x)  # a bias the kernels cannot read: the layer's own error
+        # x's features and device and the state's dtype checked above (fused_route), the bias here
+        y = matmul.linear_unchecked(compute_x, packed, quant_state, bias, route, out_features, in_features)
     elif fused:
         y = bitsandbytes_fused_matmul(compute_x, packed, quant_state, bias)
         if y is None:

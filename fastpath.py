@@ -82,6 +82,10 @@ _DEVICE_FACTS = {}
 def device_facts(device=None):
     """(compute capability, L2 bytes) of a CUDA device (default: the current one); ((0, 0), 0)
     without one."""
+    if device is not None and device.index is not None:  # a call's own device: one lookup (every fused call)
+        facts = _DEVICE_FACTS.get(device.index)
+        if facts is not None:
+            return facts
     if INTERPRET or not torch.cuda.is_available():
         return (0, 0), 0
     index = torch.cuda.current_device() if device is None or device.index is None else device.index

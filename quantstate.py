@@ -15,7 +15,7 @@ import fastpath
 from fastpath import INTERPRET, launch_hooks_active
 
 __all__ = ["OUTPUT_DTYPES", "require", "is_power_of_two", "weight_and_state", "resolve", "check_weight", "check_state",
-           "packed_bytes", "offset_tensor", "WeightPlan"]
+           "checked_state", "packed_bytes", "offset_tensor", "StateFacts", "WeightPlan"]
 
 OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -229,24 +229,23 @@ def check_weight(weight, quant_state):
 # --------------------------------------------------------------------------------------------
 # Watching: when a plan still serves a call
 # --------------------------------------------------------------------------------------------
-class WeightPlan(fastpath.LaunchPlan):
-    """A launch plan for a packed weight and its quant state (the watched object).
+class StateFacts:
+    """What a validated packed weight and quant state were: ``matches`` says whether a later call's pair
+    still is that (the one rule a launch plan and a kept ``check_state`` serve by).
 
-    Each call checks: the state is the same object; every table (absmax, code, state2's absmax and
-    code, the offset) has the address, dtype and size recorded, so a table rebound, ``.data``
-    replaced, ``set_`` or ``resize_`` all show; the packed weight has the shape (a leading 1
-    transposes the result), byte count, 16-byte alignment, contiguity and device recorded, and, at
-    an address other than the last that passed, its storage still holds its bytes (FSDP frees a
-    flat parameter with ``resize_(0)`` under its views); the state's scalars are equal; no profiler has set Triton
-    launch hooks. The kernel reads the bytes on every call, so a weight re-quantized in place is
-    served fresh; the packed bytes may move to any address of the same 16-byte alignment, on which
-    Triton specialized the kernel and the word loads depend."""
+    Each call checks: every table (absmax, code, state2's absmax and code, the offset) has the address,
+    dtype and size recorded, so a table rebound, ``.data`` replaced, ``set_`` or ``resize_`` all show;
+    the packed weight has the shape, byte count, 16-byte alignment, contiguity and device recorded, and,
+    at an address other than the last that passed, its storage still holds its bytes (FSDP frees a
+    flat parameter with ``resize_(0)`` under its views); the state's scalars are equal. The kernels read
+    the bytes on every call, so a weight re-quantized in place is served fresh; the packed bytes may
+    move to any address of the same 16-byte alignment, on which Triton specialized the kernel and the
+    word loads depend. The state's identity is the holder's to check (a weakref)."""
 
     __slots__ = ("facts", "nested", "nested_facts", "offset", "offset_launched", "held_at")
 
-    def __init__(self, cache, packed, qs, checked, out, transpose, launch_kernel):
-        """``checked``: ``check_state(packed, qs)`` as launched; the rest as ``fastpath.LaunchPlan``'s."""
-        super().__init__(cache, qs, out, transpose, launch_kernel)
+    def __init__(self, packed, qs, checked):
+        """``checked``: ``check_state(packed, qs)`` as launched."""
         shape, blocksize, nested, blocksize2, (absmax, code, absmax2, code2, offset) = checked
         self.nested = nested
         # What `matches` compares, in its order: the packed weight's alignment, shape, byte count,
@@ -271,16 +270,13 @@ class WeightPlan(fastpath.LaunchPlan):
         self.held_at = packed.data_ptr()
 
     def matches(self, packed, qs):
-        """Whether this plan's launch is the validated call's for (packed, qs)."""
+        """Whether (packed, qs) is still the validated pair, its state's identity aside."""
         try:
             absmax, code = qs.absmax, qs.code
             address = packed.data_ptr()
-            if (self.state_ref() is not qs
-                    or (address % 16, packed.shape, packed.nbytes, packed.is_contiguous(), packed.get_device(),
-                        qs.dtype, qs.shape, qs.blocksize, qs.quant_type, qs.nested, absmax.data_ptr(),
-                        absmax.dtype, absmax.numel(), code.data_ptr(), code.dtype, code.numel()) != self.facts
-                    or (self.device_index is None and not packed.is_cpu)  # get_device() is -1 for meta too
-                    or launch_hooks_active()):
+            if (address % 16, packed.shape, packed.nbytes, packed.is_contiguous(), packed.get_device(),
+                    qs.dtype, qs.shape, qs.blocksize, qs.quant_type, qs.nested, absmax.data_ptr(),
+                    absmax.dtype, absmax.numel(), code.data_ptr(), code.dtype, code.numel()) != self.facts:
                 return False
             if address != self.held_at:
                 if packed.untyped_storage().nbytes() < packed.storage_offset() * packed.element_size() + packed.nbytes:
@@ -298,3 +294,67 @@ class WeightPlan(fastpath.LaunchPlan):
             return offset == self.offset  # given as a number (a tuple recorded never equals one)
         except (AttributeError, RuntimeError):  # a field gone, or a tensor with no storage (sparse, meta)
             return False
+
+
+class WeightPlan(fastpath.LaunchPlan):
+    """A launch plan for a packed weight and its quant state (the watched object): it serves a call
+    where the state is the same object, ``StateFacts.matches`` holds for the pair (a leading 1 of
+    the packed shape transposes the result), the packed weight is on the plan's device and no
+    profiler has set Triton launch hooks."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, cache, packed, qs, checked, out, transpose, launch_kernel):
+        """``checked``: ``check_state(packed, qs)`` as launched; the rest as ``fastpath.LaunchPlan``'s."""
+        super().__init__(cache, qs, out, transpose, launch_kernel)
+        self.state = StateFacts(packed, qs, checked)
+
+    def matches(self, packed, qs):
+        """Whether this plan's launch is the validated call's for (packed, qs)."""
+        try:
+            if (self.state_ref() is not qs
+                    or (self.device_index is None and not packed.is_cpu)  # get_device() is -1 for meta too
+                    or launch_hooks_active()):
+                return False
+        except AttributeError:
+            return False
+        return self.state.matches(packed, qs)
+
+
+class CheckedState:
+    """``check_state``'s result for a quant state, served again while ``StateFacts`` matches."""
+
+    __slots__ = ("state_ref", "state", "checked")
+
+    def __init__(self, packed, qs, checked):
+        key = id(qs)
+        # The callback's globals are bound now: at interpreter exit a state may die after them.
+        self.state_ref = weakref.ref(qs, lambda ref, key=key, held=_CHECKED, forget=_forget_checked:
+                                     forget(held, key, ref))
+        self.state, self.checked = StateFacts(packed, qs, checked), checked
+
+
+def _forget_checked(held, key, ref):
+    """A state died: drop what was kept for it, unless a newer state already took its id."""
+    kept = held.get(key)
+    if kept is not None and kept.state_ref is ref:
+        held.pop(key, None)
+
+
+_CHECKED = {}  # id(quant state) -> CheckedState
+
+
+def checked_state(packed, qs):
+    """``check_state(packed, qs)``, served from its last validation of this state object while the pair
+    matches it (``StateFacts``): 20 us a call become about 2 (the fused matmul's per-call check)."""
+    if torch.compiler.is_compiling() or not fastpath.ENABLED:
+        return check_state(packed, qs)
+    held = _CHECKED.get(id(qs))
+    if held is not None and held.state_ref() is qs and held.state.matches(packed, qs):
+        return held.checked
+    checked = check_state(packed, qs)
+    try:
+        _CHECKED[id(qs)] = CheckedState(packed, qs, checked)
+    except TypeError:  # a state without weakrefs: checked on every call
+        pass
+    return checked

@@ -9,6 +9,7 @@ Without CUDA the kernels run through Triton's interpreter, whose tl.dot is wrong
 """
 
 import copy
+import gc
 import itertools
 
 import pytest
@@ -219,6 +220,36 @@ def test_nf4_linear_reads_a_strided_bias(bias_form):
     for config in (C(16, 16, 64, 1, True, 4, 2, 0), C(16, 16, 64, 2, True, 4, 2, 0)):  # bias in the kernel, in the sum
         y = matmul.linear_by_route(x, packed, state, bias, matmul.Route(8, "fused", config))
         assert_within_bound(y, x, decoded(packed, state, torch.float16), bias)
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["checked", "known-bad-trusted"])
+def test_a_kept_check_reads_the_tables_the_state_holds_now(trusted, monkeypatch):
+    """The fused path keeps its check of a quant state (``quantstate.checked_state``): after a call, a
+    table replaced in the state is read anew. Known-bad, a kept check served without ``StateFacts``
+    launches with the old table and leaves the bound."""
+    packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=5)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(6)).half().to(DEVICE)
+    route = matmul.Route(8, "fused", C(16, 16, 64, 1, True, 4, 2, 0))
+    matmul.linear_by_route(x, packed, state, None, route)
+    if trusted:
+        monkeypatch.setattr(quantstate.StateFacts, "matches", lambda self, packed, qs: True)
+    state.absmax = state.absmax.flip(0).contiguous()
+    y = matmul.linear_by_route(x, packed, state, None, route)
+    within = (y.double().cpu() - linear_reference(x, decoded(packed, state, torch.float16))).abs() <= (
+        linear_error_bound(y, x, decoded(packed, state, torch.float16)))
+    assert bool(within.all()) is not trusted
+
+
+def test_a_kept_check_goes_with_its_state():
+    """What the fused path keeps for a quant state is dropped when the state dies."""
+    packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=7)
+    x = torch.randn(1, 128).half().to(DEVICE)
+    matmul.linear_by_route(x, packed, state, None, matmul.Route(8, "fused", C(16, 16, 64, 1, True, 4, 2, 0)))
+    key = id(state)
+    assert quantstate._CHECKED[key].state_ref() is state
+    del state
+    gc.collect()
+    assert key not in quantstate._CHECKED
 
 
 def test_nf4_linear_keeps_the_gradient():

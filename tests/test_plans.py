@@ -274,7 +274,7 @@ def state_identity_only(self, packed, qs):
 def scalars_only(self, packed, qs):
     """Known-bad (the rule before table addresses were recorded, where the table objects were the
     same): the state and its scalars, nothing about the memory its tables read."""
-    return self.state_ref() is qs and (qs.dtype, qs.shape, qs.blocksize, qs.quant_type, qs.nested) == self.facts[5:10]
+    return self.state_ref() is qs and (qs.dtype, qs.shape, qs.blocksize, qs.quant_type, qs.nested) == self.state.facts[5:10]
 
 
 @pytest.mark.parametrize("change", STATE_CHANGES + INVALIDATING_CHANGES + ["table-storage"])
@@ -304,7 +304,7 @@ def test_plan_on_the_weights_device_only(device):
     planned(packed, state)
     plan = plan_of(state)
 
-    alignment, shape, nbytes, _, device_number = plan.facts[:5]
+    alignment, shape, nbytes, _, device_number = plan.state.facts[:5]
 
     class Elsewhere:
         """The planned weight's address, shape and size, on another device."""
