@@ -297,7 +297,9 @@ def _routed_forward(module, dequantize, fused_matmul, siblings, x, *args, **kwar
     if route is not None:
         out_features, in_features = (int(dim) for dim in quant_state.shape)
         if bias is not None and (bias.shape != (out_features,) or bias.device != x.device):
-            return bitsandbytes_forward(module, x)  # a bias the kernels cannot read: the layer's own error
+            # bitsandbytes' one-row kernel reads such a bias without a word (1024 outputs, 7 biases)
+            raise ValueError(f"{type(module).__name__}: bias has shape {tuple(bias.shape)} on {bias.device}, the "
+                             f"layer needs ({out_features},) on {x.device}")
         # x's features and device and the state's dtype checked above (fused_route), the bias here
         y = matmul.linear_unchecked(compute_x, packed, quant_state, bias, route, out_features, in_features)
     elif fused:

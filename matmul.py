@@ -21,7 +21,6 @@ adds them itself in the same order.
 """
 
 import copy
-import functools
 import threading
 import typing
 
@@ -525,11 +524,13 @@ class _Scratch:
             return self.counters[self.handed_out - count:self.handed_out]
 
 
-@functools.lru_cache(maxsize=None)
 def split_taken(steps, split_k):
     """The split a call runs: the largest divisor of its BLOCK_K steps up to the route's ``split_k``, so that
     every program takes whole steps (56 steps of 14336 at split 16 run as 14 splits of 4)."""
-    return max(split for split in range(1, split_k + 1) if steps % split == 0)
+    for split in range(max(split_k, 1), 1, -1):  # from the route's split down: most calls stop at the first
+        if steps % split == 0:
+            return split
+    return 1
 
 
 def unroll_taken(steps_per_split, unroll):
