@@ -1,7 +1,7 @@
 """A bitsandbytes 4-bit weight and its quant state as the project's kernels take them: found in a
 module, a Params4bit or a packed tensor; validated into launch arguments, with a named
-``ValueError`` for what is wrong; and watched by a launch plan (``WeightPlan.matches``, the one
-rule for when a plan still serves a call). Nothing passed in is modified."""
+``ValueError`` for what is wrong; and watched (``StateFacts.matches``, the one rule for when a launch
+plan or a kept check still serves a call). Nothing passed in is modified."""
 
 import numbers
 import operator
@@ -15,7 +15,7 @@ import fastpath
 from fastpath import INTERPRET, launch_hooks_active
 
 __all__ = ["OUTPUT_DTYPES", "require", "is_power_of_two", "weight_and_state", "resolve", "check_weight", "check_state",
-           "checked_state", "packed_bytes", "offset_tensor", "StateFacts", "WeightPlan"]
+           "checked_state", "kept_check", "packed_bytes", "offset_tensor", "StateFacts", "WeightPlan"]
 
 OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -321,17 +321,7 @@ class WeightPlan(fastpath.LaunchPlan):
         return self.state.matches(packed, qs)
 
 
-class CheckedState:
-    """``check_state``'s result for a quant state, served again while ``StateFacts`` matches."""
-
-    __slots__ = ("state_ref", "state", "checked")
-
-    def __init__(self, packed, qs, checked):
-        key = id(qs)
-        # The callback's globals are bound now: at interpreter exit a state may die after them.
-        self.state_ref = weakref.ref(qs, lambda ref, key=key, held=_CHECKED, forget=_forget_checked:
-                                     forget(held, key, ref))
-        self.state, self.checked = StateFacts(packed, qs, checked), checked
+_CHECKED = {}  # id(quant state) -> CheckedState
 
 
 def _forget_checked(held, key, ref):
@@ -341,7 +331,23 @@ def _forget_checked(held, key, ref):
         held.pop(key, None)
 
 
-_CHECKED = {}  # id(quant state) -> CheckedState
+class CheckedState:
+    """``check_state``'s result for a quant state, served again while ``StateFacts`` matches."""
+
+    __slots__ = ("state_ref", "state", "checked", "__weakref__")
+
+    def __init__(self, packed, qs, checked):
+        key = id(qs)
+        # The callback's globals are bound now: at interpreter exit a state may die after them.
+        self.state_ref = weakref.ref(qs, lambda ref, key=key, held=_CHECKED, forget=_forget_checked:
+                                     forget(held, key, ref))
+        self.state, self.checked = StateFacts(packed, qs, checked), checked
+
+
+def kept_check(qs):
+    """The ``CheckedState`` kept for this state object, or None."""
+    held = _CHECKED.get(id(qs))
+    return held if held is not None and held.state_ref() is qs else None
 
 
 def checked_state(packed, qs):

@@ -11,6 +11,7 @@ Without CUDA the kernels run through Triton's interpreter, whose tl.dot is wrong
 import copy
 import gc
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -245,11 +246,11 @@ def test_a_kept_check_goes_with_its_state():
     packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=7)
     x = torch.randn(1, 128).half().to(DEVICE)
     matmul.linear_by_route(x, packed, state, None, matmul.Route(8, "fused", C(16, 16, 64, 1, True, 4, 2, 0)))
-    key = id(state)
-    assert quantstate._CHECKED[key].state_ref() is state
+    kept = weakref.ref(quantstate.kept_check(state))
+    assert kept().state_ref() is state
     del state
     gc.collect()
-    assert key not in quantstate._CHECKED
+    assert kept() is None  # nothing holds it any more
 
 
 def test_nf4_linear_keeps_the_gradient():
