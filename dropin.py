@@ -296,11 +296,9 @@ def _routed_forward(module, dequantize, fused_matmul, siblings, x, *args, **kwar
     packed, quant_state = quantstate.resolve(weight, quant_state)
     if route is not None:
         out_features, in_features = (int(dim) for dim in quant_state.shape)
-        if bias is not None and (bias.shape != (out_features,) or bias.device != x.device):
-            # bitsandbytes' one-row kernel reads such a bias without a word (1024 outputs, 7 biases)
-            raise ValueError(f"{type(module).__name__}: bias has shape {tuple(bias.shape)} on {bias.device}, the "
-                             f"layer needs ({out_features},) on {x.device}")
-        # x's features and device and the state's dtype checked above (fused_route), the bias here
+        if bias is not None:  # bitsandbytes' one-row kernel reads a bias of 7 for 1024 outputs without a word
+            matmul.check_call(compute_x, bias, out_features, in_features, type(module).__name__)
+        # x's features and device and the state's dtype checked above (fused_route), a bias here
         y = matmul.linear_unchecked(compute_x, packed, quant_state, bias, route, out_features, in_features)
     elif fused:
         y = bitsandbytes_fused_matmul(compute_x, packed, quant_state, bias)

@@ -37,7 +37,7 @@ from fastpath import INTERPRET, device_facts, jit, sum_combine
 from kernel import TL_DTYPE, add_rn, decode, fp32_to_bf16_rne, lookup, mul_ftz
 
 __all__ = ["nf4_linear", "nf4_linear_group", "group_plan", "GroupPlan", "GROUP_MAX_ROWS", "linear_group", "linear_by_route",
-           "linear_unchecked", "route_taken", "decoded_weight", "choose_route", "Route", "MatmulConfig",
+           "linear_unchecked", "check_call", "route_taken", "decoded_weight", "choose_route", "Route", "MatmulConfig",
            "MATMUL_ROUTES", "TL_ROUTES", "routes_for", "mma_runs_on", "mma_supported", "LAUNCHES", "nf4_matmul_kernel",
            "split_k_reduce_kernel"]
 
@@ -709,12 +709,12 @@ def _validated(x, weight, quant_state, bias, caller="nf4_linear"):
     _require(isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 2,
              f"the quant_state's shape must be (out, in), got {shape!r}", caller)
     out_features, in_features = (int(dim) for dim in shape)
-    _check_call(x, bias, out_features, in_features, caller)
+    check_call(x, bias, out_features, in_features, caller)
     _require(x.device == packed.device, f"x is on {x.device} but the weight is on {packed.device}", caller)
     return packed, qs, out_features, in_features
 
 
-def _check_call(x, bias, out_features, in_features, caller):
+def check_call(x, bias, out_features, in_features, caller):
     """x's dtype and features, and the bias' shape, dtype and device, against a weight (out, in)."""
     _require(x.dtype in quantstate.OUTPUT_DTYPES, f"x must be float16, bfloat16 or float32, got {x.dtype}", caller)
     _require(x.dim() >= 1 and x.shape[-1] == in_features,
@@ -826,7 +826,7 @@ def linear_by_route(x, packed, qs, bias, route):
     fused kernel; so does bf16 x under Triton's interpreter, whose tl.dot of bf16 is wrong (3.9)."""
     _require(isinstance(route, Route), f"route must be a matmul.Route, got {type(route).__name__}", "linear_by_route")
     out_features, in_features = (int(dim) for dim in qs.shape)
-    _check_call(x, bias, out_features, in_features, "linear_by_route")
+    check_call(x, bias, out_features, in_features, "linear_by_route")
     return linear_unchecked(x, packed, qs, bias, route, out_features, in_features)
 
 

@@ -321,26 +321,20 @@ class WeightPlan(fastpath.LaunchPlan):
         return self.state.matches(packed, qs)
 
 
-_CHECKED = {}  # id(quant state) -> CheckedState
-
-
-def _forget_checked(held, key, ref):
-    """A state died: drop what was kept for it, unless a newer state already took its id."""
-    kept = held.get(key)
-    if kept is not None and kept.state_ref is ref:
-        held.pop(key, None)
+# id(quant state) -> CheckedState: kept, and dropped with its state, as launch plans are
+_CHECKED = fastpath.PlanCache()
 
 
 class CheckedState:
     """``check_state``'s result for a quant state, served again while ``StateFacts`` matches."""
 
-    __slots__ = ("state_ref", "state", "checked", "__weakref__")
+    __slots__ = ("key", "state_ref", "state", "checked", "__weakref__")
 
     def __init__(self, packed, qs, checked):
-        key = id(qs)
-        # The callback's globals are bound now: at interpreter exit a state may die after them.
-        self.state_ref = weakref.ref(qs, lambda ref, key=key, held=_CHECKED, forget=_forget_checked:
-                                     forget(held, key, ref))
+        self.key = id(qs)
+        # The callback is bound now: at interpreter exit a state may die after the module's globals.
+        self.state_ref = weakref.ref(qs, lambda _, key=self.key, kept=weakref.ref(self), drop=_CHECKED.drop:  # noqa: B008
+                                     drop(key, kept))
         self.state, self.checked = StateFacts(packed, qs, checked), checked
 
 
@@ -352,15 +346,13 @@ def kept_check(qs):
 
 def checked_state(packed, qs):
     """``check_state(packed, qs)``, served from its last validation of this state object while the pair
-    matches it (``StateFacts``): 20 us a call become about 2 (the fused matmul's per-call check)."""
-    if torch.compiler.is_compiling() or not fastpath.ENABLED:
+    matches it (``StateFacts``): 20 us a call become about 3 (the fused matmul's per-call check)."""
+    if torch.compiler.is_compiling():
         return check_state(packed, qs)
     held = _CHECKED.get(id(qs))
     if held is not None and held.state_ref() is qs and held.state.matches(packed, qs):
         return held.checked
     checked = check_state(packed, qs)
-    try:
-        _CHECKED[id(qs)] = CheckedState(packed, qs, checked)
-    except TypeError:  # a state without weakrefs: checked on every call
-        pass
+    if hasattr(type(qs), "__weakref__"):  # else checked on every call
+        _CHECKED.keep(CheckedState(packed, qs, checked))
     return checked
