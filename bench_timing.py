@@ -25,6 +25,13 @@ def summarize(times):
     return statistics.median(times), pick(0.2), pick(0.8)
 
 
+def turned(names, round_index):
+    """The contenders in the order of this round: each starts a round in turn, so none always runs
+    after the same one."""
+    shift = round_index % len(names)
+    return names[shift:] + names[:shift]
+
+
 def cuda_records(run):
     """The profiler's records (CUPTI) of the GPU kernels and copies that ``run()`` issues, in order of
     their start; the session is over, and CUPTI torn down, when this returns."""

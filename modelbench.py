@@ -3,11 +3,11 @@ by this kernel through the drop-in, or by Unsloth's fast_dequantize through the 
 
 The model is built offline from a config with random weights, saved, and loaded back through
 transformers' BitsAndBytesConfig as users load a 4-bit model (NF4, double quantization). Timed
-per contender, rounds interleaved: prefill (inference forward) at several token counts, a QLoRA
-training step (PEFT LoRA r=16 on every linear layer, forward + backward + AdamW) with and without
-gradient checkpointing, and, per layer shape, bitsandbytes' own 4-bit matmul against dequantize
-+ matmul at small token counts (where bitsandbytes uses its fused kernels). Section ``model`` of
-bench.py runs it; fsdp_qlora.py builds and loads its model the same way.
+per contender, rounds interleaved (the order turns each round): prefill (inference forward) at
+several token counts, a QLoRA training step (PEFT LoRA r=16 on every linear layer, forward +
+backward + AdamW) with and without gradient checkpointing, and, per layer shape, bitsandbytes' own
+4-bit matmul against dequantize + matmul at small token counts (where bitsandbytes uses its fused
+kernels). Section ``model`` of bench.py runs it; fsdp_qlora.py builds and loads its model the same way.
 """
 
 import contextlib
@@ -167,8 +167,8 @@ def bench_prefill(model, size, dtype_name, rounds, functions, meta, log):
         calls = 20 if tokens[0] * tokens[1] >= 2048 else 50
         samples = {name: ([], []) for name in functions}
         logits = {}
-        for _ in range(rounds):
-            for name in functions:
+        for round_index in range(rounds):
+            for name in bench_timing.turned(list(functions), round_index):
                 route(model, name, functions)
                 seconds, peak = timed(prefill, calls)
                 samples[name][0].append(seconds)
@@ -203,8 +203,8 @@ def bench_train(model, size, dtype_name, rounds, functions, meta, log, tokens=TR
         optimizer = torch.optim.AdamW(lora, lr=1e-4)
         step = train_step_fn(model, optimizer, *tokens, vocab)
         samples = {name: ([], []) for name in functions}
-        for _ in range(rounds):
-            for name in functions:
+        for round_index in range(rounds):
+            for name in bench_timing.turned(list(functions), round_index):
                 route_to(model, name)
                 seconds, peak = timed(step, 5)
                 samples[name][0].append(seconds)

@@ -265,12 +265,6 @@ class Decoder:
 # --------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------
-def _turned(names, round_index):
-    """The contenders in the order of this round: each starts a round in turn."""
-    shift = round_index % len(names)
-    return names[shift:] + names[:shift]
-
-
 def _row(meta, kind, dtype_name, tokens, name, seconds, **extra):
     median, p20, p80 = bench_timing.summarize(seconds)
     return dict(meta, kind=kind, dtype=dtype_name, tokens=tokens,
@@ -312,7 +306,7 @@ def _decode_rounds(names, router, model, decoder, timed, rounds):
     round a prefill, then NEW_TOKENS - 1 replays of the contender's step, contenders in turn."""
     steps, generations = {name: [] for name in names}, {name: [] for name in names}
     for round_index in range(rounds):
-        for name in _turned(names, round_index):
+        for name in bench_timing.turned(names, round_index):
             router(model, name)
             decoder.prefill()
             steps[name].append(gpu_seconds(timed[name][0], NEW_TOKENS - 1))
@@ -431,7 +425,7 @@ def bench_prefill(model, router, names, dtype_name, rounds, meta, log, kind="pre
             calls = max(3, 16384 // (batch * sequence))
             seconds = {name: [] for name in names}
             for round_index in range(rounds):
-                for name in _turned(names, round_index):
+                for name in bench_timing.turned(names, round_index):
                     router(model, name)
                     seconds[name].append(gpu_seconds(timed[name][0], calls))
             logits = {}
