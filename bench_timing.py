@@ -26,8 +26,8 @@ def summarize(times):
 
 
 def turned(names, round_index):
-    """The contenders in the order of this round: each starts a round in turn, so none always runs
-    after the same one."""
+    """The contenders in the order of this round: each starts a round in turn, so over len(names)
+    rounds each takes every place in a round once."""
     shift = round_index % len(names)
     return names[shift:] + names[:shift]
 

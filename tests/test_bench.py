@@ -71,6 +71,16 @@ def test_rows_and_versions():
     assert bench_results.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
 
 
+def test_each_contender_takes_every_place_in_a_round_once():
+    names = ["bitsandbytes", "nf4-triton", "unsloth-fused"]
+    orders = [bench_timing.turned(names, round_index) for round_index in range(5)]
+    assert [order[0] for order in orders] == names + names[:2]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    for place in range(len(names)):
+        assert sorted(order[place] for order in orders[:3]) == sorted(names)
+    assert names == ["bitsandbytes", "nf4-triton", "unsloth-fused"]  # the caller's list is left as it was
+
+
 def test_charts_from_results(tmp_path):
     pytest.importorskip("matplotlib")
     pytest.importorskip("pandas")
