@@ -349,8 +349,8 @@ def checked_state(packed, qs):
     matches it (``StateFacts``): 20 us a call become about 3 (the fused matmul's per-call check)."""
     if torch.compiler.is_compiling():
         return check_state(packed, qs)
-    held = _CHECKED.get(id(qs))
-    if held is not None and held.state_ref() is qs and held.state.matches(packed, qs):
+    held = kept_check(qs)
+    if held is not None and held.state.matches(packed, qs):
         return held.checked
     checked = check_state(packed, qs)
     if hasattr(type(qs), "__weakref__"):  # else checked on every call
