@@ -286,7 +286,7 @@ def test_interpreter_bf16_takes_no_dot():
 def test_nf4_linear_group_names_itself():
     """Weights not given as a list (here a generator) get the group's own error."""
     packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=1)
-    with pytest.raises(ValueError, match="nf4_linear_group: weights must be a list of 1 to 3 layers"):
+    with pytest.raises(ValueError, match="nf4_linear_group: weights must be a list of 1 to 3 layers, got a generator"):
         matmul.nf4_linear_group(torch.randn(2, 128).half().to(DEVICE), (layer for layer in [(packed, state)]))
 
 
@@ -506,20 +506,23 @@ def test_gpu_folded_split_k_sum_owns_its_scratch():
 
 @pytest.mark.gpu
 def test_gpu_graph_capture_replays_the_same():
+    """nf4_linear and nf4_linear_group captured in one CUDA graph replay their eager outputs."""
     packed, state = quantize((4096, 1024), dtype=torch.bfloat16, device="cuda", seed=9)
+    layers = [linear4bit((rows, 1024), device="cuda", seed=rows)[0] for rows in (512, 256)]
     x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
-    eager = matmul.nf4_linear(x, packed, state)
+    eager = [matmul.nf4_linear(x, packed, state), *matmul.nf4_linear_group(x, layers)]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         matmul.nf4_linear(x, packed, state)
+        matmul.nf4_linear_group(x, layers)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = matmul.nf4_linear(x, packed, state)
+        captured = [matmul.nf4_linear(x, packed, state), *matmul.nf4_linear_group(x, layers)]
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    assert all(torch.equal(got, want) for got, want in zip(captured, eager, strict=True))
 
 
 @pytest.mark.gpu
@@ -560,8 +563,17 @@ def test_nf4_linear_group_names_bad_input(device):
     layers = [linear4bit((rows, 64), dtype=torch.float16, device=device, seed=rows)[0] for rows in (32, 16)]
     for got, layer in zip(matmul.nf4_linear_group(x, layers), layers):
         assert torch.equal(got, matmul.nf4_linear(x, layer))
-    with pytest.raises(ValueError, match="1 to 3 layers"):
+    with pytest.raises(ValueError, match="1 to 3 layers, got 0"):
         matmul.nf4_linear_group(x, [])
+    with pytest.raises(ValueError, match="1 to 3 layers, got 4"):
+        matmul.nf4_linear_group(x, layers * 2)
+
+    class Unprintable(list):
+        def __repr__(self):
+            raise AssertionError("the weights were formatted: a repr reads their bytes back from the GPU")
+
+    for got, layer in zip(matmul.nf4_linear_group(x, Unprintable(layers)), layers):  # valid: no message built
+        assert torch.equal(got, matmul.nf4_linear(x, layer))
     with pytest.raises(ValueError, match="features"):
         matmul.nf4_linear_group(x, layers + [linear4bit((16, 128), dtype=torch.float16, device=device)[0]])
 
