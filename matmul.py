@@ -732,10 +732,10 @@ def nf4_linear_group(x, weights):
     where ``group_plan`` allows it: the projections a layer reads from one input, such as q, k and v
     or gate and up. Each output equals that weight's alone through the same tile; the tile is the
     route's for the rows of all (NOTES.md item 88)."""
-    if not (isinstance(weights, (list, tuple)) and 1 <= len(weights) <= 3):  # named here only: a repr of the
-        # layers reads their bytes back from the GPU, a sync each call and an error under graph capture
-        got = f"{len(weights)}" if isinstance(weights, (list, tuple)) else f"a {type(weights).__name__}"
-        _require(False, f"weights must be a list of 1 to 3 layers, got {got}", "nf4_linear_group")
+    # a count or a type name, never a repr: that reads the layers back from the GPU (a sync, an error under capture)
+    is_list = isinstance(weights, (list, tuple))
+    got = len(weights) if is_list else f"a {type(weights).__name__}"
+    _require(is_list and 1 <= got <= 3, f"weights must be a list of 1 to 3 layers, got {got}", "nf4_linear_group")
     states = [_validated(x, weight, None, None, "nf4_linear_group")[:2] for weight in weights]
     lead, in_features = x.shape[:-1], x.shape[-1]
     x2d = x.reshape(-1, in_features)
