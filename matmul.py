@@ -291,6 +291,8 @@ class MatmulConfig(typing.NamedTuple):
     wgmma: bool = False  # mma.py on sm_90: warp-group MMA over x's tile in shared memory (num_warps a multiple of 4)
     prefetch: bool = False  # mma.py: each step's loads issued during the step before
     unroll: int = 1  # mma.py: K steps in one unrolled loop body (the largest divisor of a program's steps up to this)
+    kwarps: int = 1  # mma.py, x unstaged, no split_k: a program's warps each sum one K slice of one warp's block_n rows,
+    # their sums added through shared memory (nf4_mma_kwarps_kernel; K a multiple of block_k * kwarps)
 
 
 class Route(typing.NamedTuple):
@@ -455,11 +457,12 @@ def routes_for(capability, routes=None):
 def choose_route(capability, rows, in_features, out_features, routes=None):
     """The Route for ``rows`` rows of x against an (out_features, in_features) weight on a GPU of
     ``capability``, from ``routes`` (``routes_for``): a pure function of the five. A route of more than
-    256 columns a step is passed over where they do not divide K, for the 256-column route after it."""
+    256 columns a step, or of K slices across warps, is passed over where its columns do not divide K."""
     for route in routes_for(capability, routes):
         if (rows <= route.max_rows and in_features * out_features >= route.min_weight and in_features >= route.min_in
                 and out_features >= route.min_out
-                and (route.config is None or route.config.block_k <= 256 or in_features % route.config.block_k == 0)):
+                and (route.config is None or (route.config.block_k <= 256 and route.config.kwarps == 1)
+                     or in_features % (route.config.block_k * route.config.kwarps) == 0)):
             return route
     return _DEQUANTIZE
 
@@ -615,13 +618,26 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
                    STEPS_PER_SPLIT=steps // split_k, HAS_BIAS=bias is not None and (split_k == 1 or fold),
                    USE_INT64=n * k > 2**31 - 1, num_warps=config.num_warps)
     if config.mma:
-        kernel_fn = mma.nf4_mma_kernel
         weights = ((packed, tables, out),) + tuple(members)
         padded = weights + (weights[0],) * (3 - len(weights))  # absent members: never read
-        args = head + (out if partials is None else partials, out if counters is None else counters, m, n, k,
-                       x2d.stride(0), out.shape[1], padded[1][2].shape[1] if members else 0)
+        scratch = () if config.kwarps > 1 else (out if partials is None else partials, out if counters is None else counters)
+        args = head + scratch + (m, n, k, x2d.stride(0), out.shape[1], padded[1][2].shape[1] if members else 0)
         for packed_j, tables_j, out_j in padded[1:]:
             args += (packed_j if packed_j.data_ptr() % 4 == 0 else packed_j.clone(), *tables_j, out_j)
+    if config.mma and config.kwarps > 1:
+        kernel_fn = mma.nf4_mma_kwarps_kernel
+        per_warp = steps // config.kwarps
+        if per_warp * config.kwarps != steps or config.split_k != 1 or config.stage_x or config.wgmma:
+            raise ValueError(f"{config}: K slices across warps need split_k 1, x unstaged and {config.kwarps} slices "
+                             f"of whole {config.block_k}-column steps (K = {k})")
+        options.update(STEPS_PER_WARP=per_warp, UNROLL=unroll_taken(per_warp, config.unroll), MEMBERS=len(weights),
+                       **mma.kwarps_constexprs(config.kwarps, config.block_n, config.block_k, config.block_m,
+                                               config.words))
+        for name in ("SPLIT_K", "STEPS_PER_SPLIT"):
+            del options[name]
+        options["num_warps"] = config.kwarps
+    elif config.mma:
+        kernel_fn = mma.nf4_mma_kernel
         options.update(FOLD=fold, STAGE_X=config.stage_x, PREFETCH=config.prefetch,
                        UNROLL=unroll_taken(steps // split_k, config.unroll), MEMBERS=len(weights), **mma.layout_constexprs(
             config.num_warps, config.block_n, config.block_k, config.block_m, config.words, config.wgmma))
@@ -649,7 +665,7 @@ def mma_supported(x2d, k, blocksize, config):
     """Whether mma.py's kernel runs this call: on x's GPU (``mma_runs_on``; wgmma on sm_90 alone), fp16
     or bf16 x, K whole tiles, each thread's columns of a chunk within one block."""
     capability = device_facts(x2d.device)[0]
-    return (x2d.dtype is not torch.float32 and k % config.block_k == 0
+    return (x2d.dtype is not torch.float32 and k % (config.block_k * config.kwarps) == 0
             and blocksize >= 8 * config.words
             and mma_runs_on(capability) and (not config.wgmma or tuple(capability)[0] == 9))
 

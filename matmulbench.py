@@ -129,13 +129,23 @@ def _mma(block_m, tiles):
             (tile + (2,) * (5 - len(tile)) for tile in tiles)]
 
 
+# K slices across a program's warps (nf4_mma_kwarps_kernel, one warp's 16 weight rows; NOTES.md item 98):
+# (kwarps, block_n, block_k, unroll)
+KWARPS_TILES = [(4, 16, 512, 4), (4, 16, 256, 4), (8, 16, 128, 4), (8, 16, 256, 1)]
+
+
+def kwarps_configs(block_m):
+    return [C(block_m, bn, bk, 1, True, kwarps, mma=True, words=4, stage_x=False, unroll=unroll, kwarps=kwarps)
+            for kwarps, bn, bk, unroll in KWARPS_TILES]
+
+
 def _wgmma(block_m):
     return [C(block_m, bn, bk, sk, True, warps, mma=True, wgmma=True, prefetch=True)
             for warps, bn, bk, sk in WGMMA_TILES[block_m]]
 
 
 CANDIDATES = {
-    8: [C(1, 32, 256, 4, False, 4, 3, 0)] + _mma(8, MMA_TILES[8]),
+    8: [C(1, 32, 256, 4, False, 4, 3, 0)] + _mma(8, MMA_TILES[8]) + kwarps_configs(8),
     16: [C(16, bn, bk, sk, True, 4, st, lookup) for bn, bk, sk, st, lookup in (
         (64, 256, 4, 2, 2), (64, 512, 4, 2, 2), (64, 128, 4, 2, 2), (32, 256, 4, 2, 2), (32, 256, 4, 2, 1),
         (64, 256, 1, 3, 2), (64, 128, 4, 2, 1))] + _mma(16, MMA_TILES[8]),

@@ -30,6 +30,11 @@ Up to three weights read by the same x (``MEMBERS``: q, k and v, or gate and up)
 their rows one after another in the output tiles; each program takes its member's pointers by its
 rows, so every member's sums are those it would get alone with the same tile.
 
+``nf4_mma_kwarps_kernel`` splits K inside a program instead of across programs: each of its warps sums one K
+slice of the same 16 weight rows (mma.sync batched over the warps) and the slices' sums meet in shared memory, so
+no program waits on another's (the folded split-K sum costs a merged decoder layer 7 us at one row, NOTES.md
+item 98).
+
 Needs Gluon's ``mma_v2`` and linear layouts (Triton 3.6 on), sm_80 on (``WGMMA``: sm_90), fp16 or bf16 x, K a
 multiple of the tile's columns and blocks of at least a thread's 8 W columns; ``matmul.py``
 routes the rest to its ``tl`` kernel.
@@ -48,7 +53,8 @@ try:
 except ImportError:  # Triton before 3.6
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "layouts", "x_staging", "layout_constexprs", "nf4_mma_kernel"]
+__all__ = ["AVAILABLE", "layouts", "x_staging", "layout_constexprs", "kwarps_layouts", "kwarps_constexprs",
+           "nf4_mma_kernel", "nf4_mma_kwarps_kernel"]
 
 
 def _bases(dim, rank, count, first=1):
@@ -133,6 +139,29 @@ def layout_constexprs(num_warps, block_n, block_k, block_m, words, wgmma=False):
                     + x_staging(num_warps, block_k, block_m, words, wgmma)))
 
 
+@functools.lru_cache(maxsize=None)
+def kwarps_layouts(kwarps, block_n, block_k, block_m, words):
+    """(weight layout, x layout, mma layout) of a tile whose ``kwarps`` warps each take one K slice of the same
+    ``block_n`` weight rows: ``layouts`` for one warp with a leading slice dimension over the warps, and mma.sync
+    batched over it (warps along the batch)."""
+    weight, x, _ = layouts(1, block_n, block_k, block_m, words)
+    slices = _bases(0, 6, _log2(kwarps))
+
+    def leading(layout):
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0] + basis for basis in layout.reg_bases], lane_bases=[[0] + basis for basis in layout.lane_bases],
+            warp_bases=slices, block_bases=[], shape=[kwarps] + list(layout.shape))
+
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[kwarps, 1, 1], instr_shape=[1, 16, 8])
+    return leading(weight), leading(x), mma
+
+
+def kwarps_constexprs(kwarps, block_n, block_k, block_m, words):
+    """nf4_mma_kwarps_kernel's layout arguments for one tile by their names."""
+    return dict(zip(("KWARPS", "WORDS", "W_LAYOUT", "X_LAYOUT", "MMA"),
+                    (kwarps, words) + kwarps_layouts(kwarps, block_n, block_k, block_m, words)))
+
+
 if AVAILABLE:
     @gluon.jit
     def _along(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
@@ -154,11 +183,26 @@ if AVAILABLE:
             return gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(v, 0), 1), 2), 3)
 
     @gluon.jit
+    def _along6(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
+        """arange(n) along dimension ``dim`` of a 6-D layout, shaped to broadcast against it."""
+        if dim == 0:
+            return gl.expand_dims(_along(n, 0, gl.SliceLayout(5, layout)), 5)
+        else:
+            return gl.expand_dims(_along(n, dim - 1, gl.SliceLayout(0, layout)), 0)
+
+    @gluon.jit
     def _mma_order(values, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, WORDS: gl.constexpr):
         """[ROWS, chunk, t, word, code] in column order -> [ROWS, BLOCK_K] in the mma's K order."""
         values = gl.reshape(values, [ROWS, BLOCK_K // (32 * WORDS), 4, WORDS, 2, 2, 2])  # row, chunk, t, word, s % 2, p, q
         values = gl.permute(values, [0, 1, 3, 4, 5, 2, 6])  # row, chunk, s // 2, s % 2, p, t, q
         return gl.reshape(values, [ROWS, BLOCK_K])
+
+    @gluon.jit
+    def _batched_mma_order(values, KWARPS: gl.constexpr, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, WORDS: gl.constexpr):
+        """[slice, ROWS, chunk, t, word, code] in column order -> [slice, ROWS, BLOCK_K] in the mma's K order."""
+        values = gl.reshape(values, [KWARPS, ROWS, BLOCK_K // (32 * WORDS), 4, WORDS, 2, 2, 2])
+        values = gl.permute(values, [0, 1, 2, 4, 5, 6, 3, 7])
+        return gl.reshape(values, [KWARPS, ROWS, BLOCK_K])
 
     @gluon.jit
     def _chunked_ptrs(x_ptr, first_row, stride_xm, ROWS: gl.constexpr, CHUNKS: gl.constexpr, WORDS: gl.constexpr,
@@ -181,6 +225,52 @@ if AVAILABLE:
             else:
                 absmax2 = gl.load(absmax2_ptr + step_block // BLOCKSIZE2)
         return gl.load(word_ptrs + k0 // 8), absmax, absmax2
+
+    @gluon.jit
+    def _member(pid_n, BLOCK_N: gl.constexpr, MEMBERS: gl.constexpr, N, rows0, rows1, weight, m1, m2):
+        """(first output row, rows, (packed, absmax, code, absmax2, code2, offset, out) pointers) of the member
+        whose rows hold output tile ``pid_n``; ``weight``, ``m1`` and ``m2``: each member's pointers."""
+        member_start = pid_n * 0
+        member_rows = N + 0
+        if MEMBERS > 1:
+            if pid_n * BLOCK_N < rows0:
+                member_rows = rows0 + 0
+            elif MEMBERS == 2 or pid_n * BLOCK_N < rows0 + rows1:
+                member_start, member_rows, weight = rows0 + 0, rows1 + 0, m1
+            else:
+                member_start, member_rows, weight = rows0 + rows1, N - rows0 - rows1, m2
+        return member_start, member_rows, weight
+
+    @gluon.jit
+    def _codebook_lanes(code_ptr, like, FP4: gl.constexpr):
+        """Each lane's codebook[lane % 16] in ``like``'s shape and layout: the shuffle's table, one register."""
+        lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=gl.int32, is_pure=True, pack=1) % 16
+        entry = gl.load(code_ptr + lane)
+        if FP4:  # bitsandbytes forms an FP4 value as sign * magnitude: code 8 is -0.0
+            entry = (entry.to(gl.uint32, bitcast=True) | ((lane >> 3).to(gl.uint32) << 31)).to(gl.float32, bitcast=True)
+        return entry
+
+    @gluon.jit
+    def _decoded(words, shifts, entry, absmax, absmax2, code2_ptr, offset, NESTED: gl.constexpr, X_DTYPE: gl.constexpr):
+        """A step's weights in x's dtype, each kernel.py's: code * scale in fp32 (ftz), rounded once."""
+        if NESTED:  # kernel.py's absmax decode: code2[absmax] * absmax2 (ftz), + offset; code2 stays in L1
+            scale = gl.inline_asm_elementwise(
+                "{.reg .f32 t; mul.rn.ftz.f32 t, $1, $2; add.rn.f32 $0, t, $3;}", "=r,r,r,r",
+                [gl.load(code2_ptr + absmax.to(gl.int32)), absmax2, offset], dtype=gl.float32, is_pure=True, pack=1)
+        else:
+            scale = absmax
+        codes = words >> shifts  # the shuffle reads bits 4:0: nibble j, and a bit of the next
+        if X_DTYPE == gl.bfloat16:
+            weights = gl.inline_asm_elementwise(
+                "{.reg .b32 a, b; shfl.sync.idx.b32 a, $3, $1, 0x1f, -1; shfl.sync.idx.b32 b, $4, $2, 0x1f, -1;"
+                " mul.rn.ftz.f32 a, a, $5; mul.rn.ftz.f32 b, b, $6; cvt.rn.bf16x2.f32 $0, b, a;}",
+                "=r,r,r,r,r,r,r", [codes, entry, scale], dtype=gl.bfloat16, is_pure=True, pack=2)
+        else:
+            weights = gl.inline_asm_elementwise(
+                "{.reg .b32 a, b; shfl.sync.idx.b32 a, $3, $1, 0x1f, -1; shfl.sync.idx.b32 b, $4, $2, 0x1f, -1;"
+                " mul.rn.ftz.f32 a, a, $5; mul.rn.ftz.f32 b, b, $6; cvt.rn.f16x2.f32 $0, b, a;}",
+                "=r,r,r,r,r,r,r", [codes, entry, scale], dtype=gl.float16, is_pure=True, pack=2)
+        return weights
 
     @gluon.jit
     def nf4_mma_kernel(
@@ -245,20 +335,12 @@ if AVAILABLE:
         first = pid_k * STEPS_PER_SPLIT
 
         # This program's member: its first row among the output's, its rows, its weight and output.
-        member_start = pid_n * 0
-        member_rows = N + 0
-        out_base = out_ptr
-        if MEMBERS > 1:
-            if pid_n * BLOCK_N < rows0:
-                member_rows = rows0 + 0
-            elif MEMBERS == 2 or pid_n * BLOCK_N < rows0 + rows1:
-                member_start, member_rows, out_base = rows0 + 0, rows1 + 0, m1_out_ptr
-                packed_ptr, absmax_ptr, code_ptr = m1_packed_ptr, m1_absmax_ptr, m1_code_ptr
-                absmax2_ptr, code2_ptr, offset_ptr = m1_absmax2_ptr, m1_code2_ptr, m1_offset_ptr
-            else:
-                member_start, member_rows, out_base = rows0 + rows1, N - rows0 - rows1, m2_out_ptr
-                packed_ptr, absmax_ptr, code_ptr = m2_packed_ptr, m2_absmax_ptr, m2_code_ptr
-                absmax2_ptr, code2_ptr, offset_ptr = m2_absmax2_ptr, m2_code2_ptr, m2_offset_ptr
+        member_start, member_rows, weight = _member(
+            pid_n, BLOCK_N, MEMBERS, N, rows0, rows1,
+            (packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr),
+            (m1_packed_ptr, m1_absmax_ptr, m1_code_ptr, m1_absmax2_ptr, m1_code2_ptr, m1_offset_ptr, m1_out_ptr),
+            (m2_packed_ptr, m2_absmax_ptr, m2_code_ptr, m2_absmax2_ptr, m2_code2_ptr, m2_offset_ptr, m2_out_ptr))
+        packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_base = weight
 
         # The weight's indices, [BLOCK_N, CHUNKS, 4, WORDS, 8] once broadcast. Rows past the member's
         # read its last row (no masks in the loop); their sums are not stored.
@@ -276,12 +358,7 @@ if AVAILABLE:
         row_block = row * (K // BLOCKSIZE)
         block = row_block + (chunk * (32 * WORDS) + quad * (8 * WORDS)) // BLOCKSIZE
 
-        # lane l holds codebook[l % 16]: one register, the shuffle's table
-        lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [gl.full([1, 1, 1, 1, 1], 0, gl.int32, W_LAYOUT)],
-                                         dtype=gl.int32, is_pure=True, pack=1) % 16
-        entry = gl.load(code_ptr + lane)
-        if FP4:  # bitsandbytes forms an FP4 value as sign * magnitude: code 8 is -0.0
-            entry = (entry.to(gl.uint32, bitcast=True) | ((lane >> 3).to(gl.uint32) << 31)).to(gl.float32, bitcast=True)
+        entry = _codebook_lanes(code_ptr, gl.full([1, 1, 1, 1, 1], 0, gl.int32, W_LAYOUT), FP4)
 
         if WGMMA:  # x's tile in shared memory in the mma's K order, wgmma's operand: 16-byte loads, rows past M zero
             x_row, x_ptrs = _chunked_ptrs(x_ptr, pid_m * BLOCK_M, stride_xm, BLOCK_M, CHUNKS, WORDS, X_GLOBAL)
@@ -297,6 +374,8 @@ if AVAILABLE:
 
         if NESTED:
             offset = gl.load(offset_ptr)
+        else:
+            offset = 0.0  # unread
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
         if PREFETCH:  # a step's loads issued a step ahead, carried in registers
             words, absmax, absmax2 = _step_loads(word_ptrs, block, row_block, absmax_ptr, absmax2_ptr, first * BLOCK_K,
@@ -322,24 +401,7 @@ if AVAILABLE:
                                                                         absmax2_ptr, k_next, BLOCKSIZE, BLOCKSIZE2,
                                                                         NESTED, BLOCK_K)
                     next_x = gl.load(x_ptrs + k_next, mask=x_mask, other=0.0)
-                if NESTED:  # kernel.py's absmax decode: code2[absmax] * absmax2 (ftz), + offset; code2 stays in L1
-                    scale = gl.inline_asm_elementwise(
-                        "{.reg .f32 t; mul.rn.ftz.f32 t, $1, $2; add.rn.f32 $0, t, $3;}", "=r,r,r,r",
-                        [gl.load(code2_ptr + absmax.to(gl.int32)), absmax2, offset], dtype=gl.float32, is_pure=True,
-                        pack=1)
-                else:
-                    scale = absmax
-                codes = words >> shifts  # the shuffle reads bits 4:0: nibble j, and a bit of the next
-                if X_DTYPE == gl.bfloat16:
-                    weights = gl.inline_asm_elementwise(
-                        "{.reg .b32 a, b; shfl.sync.idx.b32 a, $3, $1, 0x1f, -1; shfl.sync.idx.b32 b, $4, $2, 0x1f, -1;"
-                        " mul.rn.ftz.f32 a, a, $5; mul.rn.ftz.f32 b, b, $6; cvt.rn.bf16x2.f32 $0, b, a;}",
-                        "=r,r,r,r,r,r,r", [codes, entry, scale], dtype=gl.bfloat16, is_pure=True, pack=2)
-                else:
-                    weights = gl.inline_asm_elementwise(
-                        "{.reg .b32 a, b; shfl.sync.idx.b32 a, $3, $1, 0x1f, -1; shfl.sync.idx.b32 b, $4, $2, 0x1f, -1;"
-                        " mul.rn.ftz.f32 a, a, $5; mul.rn.ftz.f32 b, b, $6; cvt.rn.f16x2.f32 $0, b, a;}",
-                        "=r,r,r,r,r,r,r", [codes, entry, scale], dtype=gl.float16, is_pure=True, pack=2)
+                weights = _decoded(words, shifts, entry, absmax, absmax2, code2_ptr, offset, NESTED, X_DTYPE)
                 a = gl.convert_layout(_mma_order(weights, BLOCK_N, BLOCK_K, WORDS), gl.DotOperandLayout(0, MMA, 2),
                                       assert_trivial=True)
                 if WGMMA:
@@ -381,3 +443,87 @@ if AVAILABLE:
             if HAS_BIAS:
                 acc += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
             gl.store(out_base + m * member_rows + (n - member_start), acc.to(X_DTYPE), mask=out_mask)
+
+    @gluon.jit
+    def nf4_mma_kwarps_kernel(
+        # inputs, outputs and sizes as nf4_mma_kernel's (no split-K scratch)
+        x_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, bias_ptr,
+        out_ptr,  # [M, N] in x's dtype (member 0's [M, rows0])
+        M, N, K, stride_xm,
+        rows0, rows1,  # member 0's and member 1's weight rows (MEMBERS > 1)
+        m1_packed_ptr, m1_absmax_ptr, m1_code_ptr, m1_absmax2_ptr, m1_code2_ptr, m1_offset_ptr, m1_out_ptr,
+        m2_packed_ptr, m2_absmax_ptr, m2_code_ptr, m2_absmax2_ptr, m2_code2_ptr, m2_offset_ptr, m2_out_ptr,
+        # format
+        BLOCKSIZE: gl.constexpr, BLOCKSIZE2: gl.constexpr, NESTED: gl.constexpr, FP4: gl.constexpr,
+        X_DTYPE: gl.constexpr,
+        # implementation
+        BLOCK_M: gl.constexpr,  # rows of x per program (a multiple of 8)
+        BLOCK_N: gl.constexpr,  # weight rows per program: one warp's (16 * repeats)
+        BLOCK_K: gl.constexpr,  # columns per step (a multiple of 32 * WORDS)
+        KWARPS: gl.constexpr,  # warps per program, warp w summing K slice w (K / KWARPS columns)
+        STEPS_PER_WARP: gl.constexpr,  # BLOCK_K steps per slice
+        HAS_BIAS: gl.constexpr, USE_INT64: gl.constexpr,
+        WORDS: gl.constexpr,  # words of a row each thread holds a chunk: 2 or 4
+        UNROLL: gl.constexpr,  # steps in one unrolled loop body (a divisor of STEPS_PER_WARP)
+        MEMBERS: gl.constexpr,  # weights in this launch, 1 to 3 (no bias where more than 1)
+        W_LAYOUT: gl.constexpr,  # kwarps_layouts(...)[0]
+        X_LAYOUT: gl.constexpr,  # kwarps_layouts(...)[1]
+        MMA: gl.constexpr,  # kwarps_layouts(...)[2]
+    ):
+        """nf4_mma_kernel's one-row form without split-K: a program's warps take the K slices of the same weight
+        rows (each its words, scales and x, unstaged), and their sums are added through shared memory at the end,
+        no fold between programs (mma_fold.log: the fold costs a merged layer 7 us at one row)."""
+        CHUNKS: gl.constexpr = BLOCK_K // (32 * WORDS)
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        member_start, member_rows, weight = _member(
+            pid_n, BLOCK_N, MEMBERS, N, rows0, rows1,
+            (packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr),
+            (m1_packed_ptr, m1_absmax_ptr, m1_code_ptr, m1_absmax2_ptr, m1_code2_ptr, m1_offset_ptr, m1_out_ptr),
+            (m2_packed_ptr, m2_absmax_ptr, m2_code_ptr, m2_absmax2_ptr, m2_code2_ptr, m2_offset_ptr, m2_out_ptr))
+        packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_base = weight
+
+        # [KWARPS, BLOCK_N, CHUNKS, 4, WORDS, 8] once broadcast; warp w's columns start at w * K / KWARPS
+        first = _along6(KWARPS, 0, W_LAYOUT) * (STEPS_PER_WARP * BLOCK_K)
+        row = gl.minimum(pid_n * BLOCK_N - member_start + _along6(BLOCK_N, 1, W_LAYOUT), member_rows - 1)
+        if USE_INT64:
+            row = row.to(gl.int64)
+        chunk = _along6(CHUNKS, 2, W_LAYOUT)
+        quad = _along6(4, 3, W_LAYOUT)
+        word_ptrs = (packed_ptr.to(gl.pointer_type(gl.int32)) + row * (K // (8 * WORDS)) * WORDS + first // 8
+                     + chunk * (4 * WORDS) + quad * WORDS + _along6(WORDS, 4, W_LAYOUT))
+        element = _along6(8, 5, W_LAYOUT)
+        shifts = 8 * (element // 2) + 4 * (1 - element % 2)
+        row_block = row * (K // BLOCKSIZE) + first // BLOCKSIZE  # the slice's first block of the row
+        block = row_block + (chunk * (32 * WORDS) + quad * (8 * WORDS)) // BLOCKSIZE
+        entry = _codebook_lanes(code_ptr, gl.full([1, 1, 1, 1, 1, 1], 0, gl.int32, W_LAYOUT), FP4)
+
+        x_row = pid_m * BLOCK_M + _along6(BLOCK_M, 1, X_LAYOUT)
+        x_ptrs = (x_ptr + x_row * stride_xm + _along6(KWARPS, 0, X_LAYOUT) * (STEPS_PER_WARP * BLOCK_K)
+                  + _along6(CHUNKS, 2, X_LAYOUT) * (32 * WORDS) + _along6(4, 3, X_LAYOUT) * (8 * WORDS)
+                  + _along6(WORDS, 4, X_LAYOUT) * 8 + _along6(8, 5, X_LAYOUT))
+        x_mask = x_row < M
+        if NESTED:
+            offset = gl.load(offset_ptr)
+        else:
+            offset = 0.0  # unread
+        acc = gl.zeros([KWARPS, BLOCK_N, BLOCK_M], gl.float32, MMA)
+        for outer in range(STEPS_PER_WARP // UNROLL):
+            for inner in gl.static_range(UNROLL):
+                k0 = (outer * UNROLL + inner) * BLOCK_K
+                words, absmax, absmax2 = _step_loads(word_ptrs, block, row_block, absmax_ptr, absmax2_ptr, k0,
+                                                     BLOCKSIZE, BLOCKSIZE2, NESTED, BLOCK_K)
+                weights = _decoded(words, shifts, entry, absmax, absmax2, code2_ptr, offset, NESTED, X_DTYPE)
+                a = gl.convert_layout(_batched_mma_order(weights, KWARPS, BLOCK_N, BLOCK_K, WORDS),
+                                      gl.DotOperandLayout(0, MMA, 2), assert_trivial=True)
+                x = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
+                b = gl.convert_layout(gl.permute(_batched_mma_order(x, KWARPS, BLOCK_M, BLOCK_K, WORDS), [0, 2, 1]),
+                                      gl.DotOperandLayout(1, MMA, 2), assert_trivial=True)
+                acc = mma_v2(a, b, acc)
+        total = gl.sum(acc, axis=0)  # the slices' sums, through shared memory
+        OUT: gl.constexpr = gl.SliceLayout(0, MMA)
+        n = gl.expand_dims(pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT)), 1)
+        m = gl.expand_dims(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OUT)), 0)
+        if HAS_BIAS:
+            total += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
+        gl.store(out_base + m * member_rows + (n - member_start), total.to(X_DTYPE), mask=(m < M) & (n < N))

@@ -1,7 +1,10 @@
 """Compile the fused matmul's route configurations for one GPU target, without a GPU.
 
 Run as ``python tests/aot_compile_matmul.py CC``. Prints one JSON line per variant with the PTX
-facts the tests check. TRITON_INTERPRET=0 so that matmul.py defines compiled kernels on any machine.
+facts the tests check. Compiled as the JIT specializes a call with 16-byte aligned tensors and sizes
+of multiples of 16; without that every load is scalar (4096x14336's one-row route, bf16, Triton 3.6:
+358 global loads a thread against 86, x's 16-bit elements one at a time). TRITON_INTERPRET=0 so that
+matmul.py defines compiled kernels on any machine.
 """
 
 import json
@@ -18,6 +21,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 import kernel  # noqa: E402
 import matmul  # noqa: E402
+import matmulbench  # noqa: E402
 import mma  # noqa: E402
 
 TL_NAME = {tl.float16: "fp16", tl.bfloat16: "bf16", tl.float32: "fp32"}
@@ -36,6 +40,10 @@ def variants(capability):
             if x_dtype == tl.bfloat16 and capability < (8, 0):
                 continue  # no bf16 tensor-core product on sm_75: nf4_linear dequantizes there
             yield x_dtype, route.config
+    if table is matmul.MATMUL_ROUTES:  # the K-slice tiles the one-row sweep times (matmulbench), no route yet
+        for config in matmulbench.kwarps_configs(8):
+            for x_dtype in (tl.float16, tl.bfloat16):
+                yield x_dtype, config
 
 
 def compile_variant(capability, x_dtype, config):
@@ -61,17 +69,30 @@ def compile_variant(capability, x_dtype, config):
             signature.update({f"{member}_packed_ptr": "*u8", f"{member}_absmax_ptr": "*u8", f"{member}_code_ptr": "*fp32",
                               f"{member}_absmax2_ptr": "*fp32", f"{member}_code2_ptr": "*fp32",
                               f"{member}_offset_ptr": "*fp32", f"{member}_out_ptr": f"*{name}"})
-        constexprs.update(STAGE_X=config.stage_x, FOLD=config.fold and split_k > 1, PREFETCH=config.prefetch,
-                          UNROLL=matmul.unroll_taken(steps // split_k, config.unroll), MEMBERS=1)
-        constexprs.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m,
-                                                config.words, config.wgmma))
+        if config.kwarps > 1:  # K slices across a program's warps: no split-K scratch
+            fn = mma.nf4_mma_kwarps_kernel
+            per_warp = steps // config.kwarps
+            for name in ("SPLIT_K", "STEPS_PER_SPLIT", "partial_ptr", "counter_ptr"):
+                (constexprs if name.isupper() else signature).pop(name)
+            constexprs.update(STEPS_PER_WARP=per_warp, UNROLL=matmul.unroll_taken(per_warp, config.unroll), MEMBERS=1)
+            constexprs.update(mma.kwarps_constexprs(config.kwarps, config.block_n, config.block_k, config.block_m,
+                                                    config.words))
+            options["num_warps"] = config.kwarps
+        else:
+            constexprs.update(STAGE_X=config.stage_x, FOLD=config.fold and split_k > 1, PREFETCH=config.prefetch,
+                              UNROLL=matmul.unroll_taken(steps // split_k, config.unroll), MEMBERS=1)
+            constexprs.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m,
+                                                    config.words, config.wgmma))
     else:
         fn, make_source = matmul.nf4_matmul_kernel, triton.compiler.ASTSource
         constexprs.update(DOT=config.dot, USE_ASM=True, BF16_VIA_INT=capability < (8, 0), EVEN=True,
                           LOOKUP=config.lookup if kernel.TRITON_COMPILES_SHARED_TABLES else 0)
         options["num_stages"] = config.num_stages
     signature.update({key: "constexpr" for key in constexprs})
-    source = make_source(fn, {key: signature[key] for key in fn.arg_names}, constexprs)
+    # the JIT's specialization of a call with 16-byte aligned tensors and sizes of multiples of 16 (K = 4096)
+    aligned = [name for name in fn.arg_names if signature[name].startswith("*")] + ["N", "K", "stride_xm"]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = make_source(fn, {key: signature[key] for key in fn.arg_names}, constexprs, attrs=attrs)
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     return triton.compile(source, target=target, options=options)
 
@@ -86,7 +107,9 @@ def main():
                           "shared_bytes": compiled.metadata.shared, "shfl": len(re.findall(r"shfl\.sync", ptx)),
                           "asm_mul_ftz": len(re.findall(r"mul\.rn\.ftz\.f32", ptx)),
                           "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
-                          "mma": len(re.findall(r"\bmma\.sync", ptx))}), flush=True)
+                          "mma": len(re.findall(r"\bmma\.sync", ptx)),
+                          "ld_v4": len(re.findall(r"ld\.global(\.[a-z]+)*\.v4", ptx)),
+                          "ld_v2": len(re.findall(r"ld\.global(\.[a-z]+)*\.v2", ptx))}), flush=True)
 
 
 if __name__ == "__main__":

@@ -388,7 +388,10 @@ def test_routes_compile_ahead_of_time(cc):
     multiply in inline PTX and the product on tensor cores from sm_80 (wgmma where a warp group
     holds 64 weight rows on sm_90, else mma; sm_75 has no bf16 product, its fp16 dot is Triton's);
     mma.py's routes with shared memory for x's tile alone where they stage it, none where each warp
-    reads its own fragments, the folded split-K sum's count in 4 bytes (the tile's space, where it has one)."""
+    reads its own fragments, the folded split-K sum's count in 4 bytes (the tile's space, where it has one),
+    and a thread's words of a chunk in one vector load (16 bytes at 4 words, 8 at 2), as the JIT compiles a
+    call with aligned tensors (unspecialized, every load is scalar); the K-slice tiles the one-row sweep
+    times likewise, their slices' sums through shared memory."""
     import json
     import os
     import subprocess
@@ -407,7 +410,11 @@ def test_routes_compile_ahead_of_time(cc):
             x_tile_bytes = config["block_m"] * config["block_k"] * 2 if staged else 0
             count_bytes = 4 if config["fold"] else 0  # fold: the tile's count, shared with every thread
             assert line["wgmma" if config["wgmma"] else "mma"] > 0 and line["shfl"] > 0, line
-            assert line["shared_bytes"] == max(x_tile_bytes, count_bytes), line
+            if config["kwarps"] > 1:  # the slices' sums added through shared memory, one fp32 tile a warp at most
+                assert 0 < line["shared_bytes"] <= config["kwarps"] * config["block_n"] * config["block_m"] * 4, line
+            else:
+                assert line["shared_bytes"] == max(x_tile_bytes, count_bytes), line
+            assert line["ld_v4" if config["words"] == 4 else "ld_v2"] > 0, line
         elif config["dot"]:  # a tensor-core tile
             assert cc < 80 or line["wgmma"] + line["mma"] > 0, line
 
@@ -432,7 +439,7 @@ def test_gpu_every_h100_route_within_bound(dtype):
 
 # mma.py's tiles: (block_m, block_n, block_k, split_k, num_warps); one to four repeats of 16 rows a warp, 2 or 4
 # words a thread and chunk, x staged in shared memory or read by each warp, the split-K sum in a second kernel or
-# folded into the first.
+# folded into the first; K slices across a program's warps (kwarps: one or two repeats, 2 or 4 words, 2 to 8 warps).
 MMA_CONFIGS = [C(8, 64, 64, 1, True, 4, mma=True), C(16, 128, 128, 2, True, 4, mma=True),
                C(8, 128, 256, 4, True, 8, mma=True), C(64, 128, 64, 1, True, 2, mma=True),
                C(8, 64, 256, 2, True, 4, mma=True, words=4), C(16, 64, 128, 1, True, 4, mma=True, words=4),
@@ -442,7 +449,10 @@ MMA_CONFIGS = [C(8, 64, 64, 1, True, 4, mma=True), C(16, 128, 128, 2, True, 4, m
                C(16, 64, 128, 1, True, 4, mma=True, wgmma=True), C(32, 128, 64, 2, True, 8, mma=True, wgmma=True),
                C(64, 128, 128, 2, True, 4, mma=True, words=4, wgmma=True),
                C(128, 64, 64, 2, True, 4, mma=True, fold=True, wgmma=True, prefetch=True),
-               C(32, 64, 128, 4, True, 4, mma=True, prefetch=True)]
+               C(32, 64, 128, 4, True, 4, mma=True, prefetch=True),
+               C(8, 16, 128, 1, True, 4, mma=True, words=4, stage_x=False, kwarps=4),
+               C(16, 32, 64, 1, True, 2, mma=True, stage_x=False, kwarps=2),
+               C(8, 16, 512, 1, True, 8, mma=True, words=4, stage_x=False, unroll=4, kwarps=8)]
 
 
 @pytest.mark.gpu
@@ -457,7 +467,7 @@ def test_gpu_mma_weights_bit_exact(config, form):
         pytest.skip("wgmma is sm_90's")
     blocksize = int(form.split()[-1]) if "blocksize" in form else 64
     for dtype, out_features in itertools.product((torch.float16, torch.bfloat16), (72, 200)):
-        in_features = 2 * config.block_k * config.split_k
+        in_features = 2 * config.block_k * config.split_k * config.kwarps
         packed, state = quantize((out_features, in_features), dtype=dtype, device="cuda", blocksize=blocksize,
                                  nested="flat" not in form, quant_type=form[:3], seed=out_features)
         x = torch.eye(in_features, device="cuda", dtype=dtype)
@@ -467,6 +477,26 @@ def test_gpu_mma_weights_bit_exact(config, form):
         x = torch.randn(13, in_features, device="cuda", dtype=dtype)
         bias = torch.randn(out_features, device="cuda", dtype=dtype)
         assert_within_bound(launch(x, packed, state, config, bias), x, weight, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_gpu_kwarps_group_equals_each_alone(rows):
+    """K slices across a program's warps over q, k and v in one launch: each output bit for bit its weight's
+    alone through the same tile, and within the bound of the exact decode."""
+    dtype, config = torch.bfloat16, C(8, 16, 128, 1, True, 4, mma=True, words=4, stage_x=False, kwarps=4)
+    x = torch.randn(rows, 1024, device="cuda", dtype=dtype)
+    weights = [quantize((count, 1024), dtype=dtype, device="cuda", seed=count) for count in (96, 48, 40)]
+    outs = [torch.full((rows, count), float("nan"), dtype=dtype, device="cuda") for count in (96, 48, 40)]
+    members = []
+    for (packed_j, state), out in zip(weights, outs):
+        _, blocksize, nested, blocksize2, tables_j = quantstate.check_state(packed_j, state)
+        members.append((packed_j.view(torch.uint8), tables_j, out))
+    matmul.launch_fused(x, *members[0][:2], None, outs[0], n=184, k=1024, blocksize=blocksize, blocksize2=blocksize2,
+                        nested=nested, fp4=False, config=config, members=tuple(members[1:]))
+    for got, (packed_j, state) in zip(outs, weights):
+        assert torch.equal(got, launch(x, packed_j, state, config))
+        assert_within_bound(got, x, kernel.dequantize_nf4(packed_j, state).to(dtype))
 
 
 @pytest.mark.gpu
