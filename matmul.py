@@ -292,7 +292,7 @@ class MatmulConfig(typing.NamedTuple):
     prefetch: bool = False  # mma.py: each step's loads issued during the step before
     unroll: int = 1  # mma.py: K steps in one unrolled loop body (the largest divisor of a program's steps up to this)
     kwarps: int = 1  # mma.py, x unstaged, no split_k: a program's warps each sum one K slice of one warp's block_n rows,
-    # their sums added through shared memory (nf4_mma_kwarps_kernel; K a multiple of block_k * kwarps)
+    # their sums added through shared memory (nf4_mma_kwarps_kernel; num_warps = kwarps, K a multiple of block_k * kwarps)
 
 
 class Route(typing.NamedTuple):
@@ -624,23 +624,24 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
         args = head + scratch + (m, n, k, x2d.stride(0), out.shape[1], padded[1][2].shape[1] if members else 0)
         for packed_j, tables_j, out_j in padded[1:]:
             args += (packed_j if packed_j.data_ptr() % 4 == 0 else packed_j.clone(), *tables_j, out_j)
-    if config.mma and config.kwarps > 1:
-        kernel_fn = mma.nf4_mma_kwarps_kernel
-        per_warp = steps // config.kwarps
-        if per_warp * config.kwarps != steps or config.split_k != 1 or config.stage_x or config.wgmma:
-            raise ValueError(f"{config}: K slices across warps need split_k 1, x unstaged and {config.kwarps} slices "
-                             f"of whole {config.block_k}-column steps (K = {k})")
-        options.update(STEPS_PER_WARP=per_warp, UNROLL=unroll_taken(per_warp, config.unroll), MEMBERS=len(weights),
-                       **mma.kwarps_constexprs(config.kwarps, config.block_n, config.block_k, config.block_m,
-                                               config.words))
-        for name in ("SPLIT_K", "STEPS_PER_SPLIT"):
-            del options[name]
-        options["num_warps"] = config.kwarps
-    elif config.mma:
-        kernel_fn = mma.nf4_mma_kernel
-        options.update(FOLD=fold, STAGE_X=config.stage_x, PREFETCH=config.prefetch,
-                       UNROLL=unroll_taken(steps // split_k, config.unroll), MEMBERS=len(weights), **mma.layout_constexprs(
-            config.num_warps, config.block_n, config.block_k, config.block_m, config.words, config.wgmma))
+        if config.kwarps > 1:
+            kernel_fn = mma.nf4_mma_kwarps_kernel
+            per_warp = steps // config.kwarps
+            if (per_warp * config.kwarps != steps or config.split_k != 1 or config.stage_x or config.wgmma
+                    or config.num_warps != config.kwarps):
+                raise ValueError(f"{config}: K slices across warps need split_k 1, x unstaged, a warp a slice and "
+                                 f"{config.kwarps} slices of whole {config.block_k}-column steps (K = {k})")
+            options.update(STEPS_PER_WARP=per_warp, UNROLL=unroll_taken(per_warp, config.unroll), MEMBERS=len(weights),
+                           **mma.kwarps_constexprs(config.kwarps, config.block_n, config.block_k, config.block_m,
+                                                   config.words))
+            for name in ("SPLIT_K", "STEPS_PER_SPLIT"):  # no split between programs
+                del options[name]
+        else:
+            kernel_fn = mma.nf4_mma_kernel
+            options.update(FOLD=fold, STAGE_X=config.stage_x, PREFETCH=config.prefetch,
+                           UNROLL=unroll_taken(steps // split_k, config.unroll), MEMBERS=len(weights),
+                           **mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m,
+                                                   config.words, config.wgmma))
     else:
         kernel_fn = nf4_matmul_kernel
         args = head + (m, n, k, x2d.stride(0))

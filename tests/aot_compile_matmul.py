@@ -77,7 +77,6 @@ def compile_variant(capability, x_dtype, config):
             constexprs.update(STEPS_PER_WARP=per_warp, UNROLL=matmul.unroll_taken(per_warp, config.unroll), MEMBERS=1)
             constexprs.update(mma.kwarps_constexprs(config.kwarps, config.block_n, config.block_k, config.block_m,
                                                     config.words))
-            options["num_warps"] = config.kwarps
         else:
             constexprs.update(STAGE_X=config.stage_x, FOLD=config.fold and split_k > 1, PREFETCH=config.prefetch,
                               UNROLL=matmul.unroll_taken(steps // split_k, config.unroll), MEMBERS=1)
