@@ -346,6 +346,8 @@ TL_ROUTES.update({capability: TL_DEFAULT_ROUTES for capability in ((7, 5), (8, 0
 # route (NOTES.md item 77) / mma.py's with x staged in shared memory (items 78, 80; one round each):
 _MMA_TILE = C(8, 64, 256, 8, True, 4, mma=True)._replace  # the 8-row tile, varied below
 _UNSTAGED = _MMA_TILE(split_k=4, words=4, stage_x=False)  # 1 to 4 rows of the widest layers
+# 1 and 2 rows: K slices across a program's warps (16 weight rows, 512 columns a warp and step), no split-K sum
+_KWARPS = C(8, 16, 512, 1, True, 4, mma=True, words=4, stage_x=False, unroll=4, kwarps=4)._replace
 # sm_90's warp-group MMA from 32 rows, loads a step ahead (item 82): 4 warps, 64 weight rows by 128 columns, split 4
 _WGMMA_TILE = C(128, 64, 128, 4, True, 4, mma=True, wgmma=True, prefetch=True)._replace
 MATMUL_ROUTES = {
@@ -354,7 +356,14 @@ MATMUL_ROUTES = {
         # 23.6 / 23.7 at 4096x14336, 69.8 / 71.6 / 77.2 against 80.4 / 81.0 / 81.2 at 8192x28672; 26.7 against 24.2
         # at 8 rows. 8192x28672 unrolled (item 87): 71.9 / 73.0 against 69.7 / 71.0 at 1 / 2 rows, so not there
         Route(4, "fused", _UNSTAGED, min_weight=128 * _M, min_out=14336),
-        # 4096x14336, 512 columns a step, the loop unrolled (item 87): 20.0 / 20.8 against 20.8 / 21.2 at 1 / 2 rows
+        # K slices across 4 warps (item 99, bf16 / fp16): one row of 4096x14336 18.7 / 18.7 against 19.9 / 19.9, of
+        # gate|up merged (4096x28672) 34.0 / 33.8 against 35.4 / 35.3; two rows 19.6 / 19.6 against 20.8 / 20.9 (256
+        # columns 19.8), gate|up 35.5 / 35.5 at 256 columns (512: 36.4) against 37.3 / 37.3
+        Route(1, "fused", _KWARPS(), min_weight=56 * _M, min_in=4096, min_out=14336),
+        Route(2, "fused", _KWARPS(block_k=256), min_weight=112 * _M, min_in=4096, min_out=28672),
+        Route(2, "fused", _KWARPS(), min_weight=56 * _M, min_in=4096, min_out=14336),
+        # where 2048 columns do not divide K: 512 columns a step, the loop unrolled (item 87), 20.0 / 20.8 against
+        # 20.8 / 21.2 at 1 / 2 rows of 4096x14336
         Route(2, "fused", _UNSTAGED._replace(block_k=512, unroll=4), min_weight=56 * _M, min_in=4096, min_out=14336),
         Route(4, "fused", _UNSTAGED, min_weight=56 * _M, min_out=14336),
         # 4 words a thread (16-byte loads, 64 registers against 79): 1 and 8 rows of 4096x14336 29.5 / 67.0 against
@@ -378,12 +387,21 @@ MATMUL_ROUTES = {
               min_in=14336),
         Route(8, "fused", _MMA_TILE(split_k=16, words=4, fold=True), min_weight=56 * _M, min_in=14336),
         Route(4, "fused", _MMA_TILE(words=4, stage_x=False, fold=True), min_weight=56 * _M),
-        # one row of q|k|v merged (4096x6144; items 88, 90): 512 columns at split 8, folded, 11.2 against 12.7 us at
-        # split 16 of 128 columns; 13.3 against 15.2 at 4096x8192, 17.9 against 19.2 at 4096x11008 (split 4: 17.1)
+        # one row of q|k|v merged (4096x6144), K slices across 4 warps (item 99, bf16 / fp16): 10.7 / 10.7 against
+        # 11.1 / 11.1 us; 12.0 / 12.0 against 13.4 / 13.4 at 4096x8192, 16.3 / 16.2 against 17.9 / 17.8 at 4096x11008
+        # (8 warps of 128 columns: 10.6, 13.3, 18.3); two rows of 4096x6144 at 256 columns 10.6 / 10.6 against 12.5 / 12.6
+        Route(1, "fused", _KWARPS(), min_weight=24 * _M, min_in=4096, min_out=6144),
+        Route(2, "fused", _KWARPS(block_k=256), min_weight=24 * _M, min_in=4096, min_out=6144),
+        # where 2048 columns do not divide K (items 88, 90): 512 columns at split 8, folded, 11.2 against 12.7 us at
+        # split 16 of 128 columns at one row of 4096x6144; 13.3 against 15.2 at 4096x8192, 17.9 against 19.2 at 4096x11008
         Route(1, "fused", _MMA_TILE(block_k=512, split_k=8, words=4, stage_x=False, fold=True, unroll=4),
               min_weight=24 * _M, min_in=4096, min_out=6144),
-        # one row of 4096x4096: 10.8 / 25.5 / - / 8.9 at split 16 of 128 columns, unstaged (split 8 of 256, staged:
-        # 9.6); a tie at 2 rows (9.6 against 9.8), 11.8 against 10.2 at 8 (item 83)
+        # 4096x4096, K slices across 8 warps of 128 columns (item 99, bf16 / fp16): 8.3 / 8.3 against 9.0 / 8.9 us at
+        # one row, 8.6 / 8.6 against 9.8 / 9.9 at two (4 warps of 512: 9.3 and 9.1); from 4096 outputs, where it was
+        # measured (16-row programs are few on fewer rows: 22.6 against 19.6 at one row of 14336x4096, item 98)
+        Route(2, "fused", _KWARPS(block_k=128, num_warps=8, kwarps=8), min_weight=16 * _M, min_out=4096),
+        # where 1024 columns do not divide K: one row of 4096x4096 10.8 / 25.5 / - / 8.9 at split 16 of 128 columns,
+        # unstaged (split 8 of 256, staged: 9.6); a tie at 2 rows (9.6 against 9.8), 11.8 against 10.2 at 8 (item 83)
         Route(1, "fused", _MMA_TILE(block_k=128, split_k=16, words=4, stage_x=False, fold=True), min_weight=16 * _M),
         # 8 rows: 124.4 / 100.2 / 47.8 / 26.5 at 14336x4096 (2 words 26.3); 37.3 / 25.2 / 17.8 / 11.1 at 4096x4096
         # (11.0). Folded: 25.7 against 26.4, 10.4 against 11.3 (2 to 8 rows: 0.5 to 1.2 us less)

@@ -40,7 +40,7 @@ def variants(capability):
             if x_dtype == tl.bfloat16 and capability < (8, 0):
                 continue  # no bf16 tensor-core product on sm_75: nf4_linear dequantizes there
             yield x_dtype, route.config
-    if table is matmul.MATMUL_ROUTES:  # the K-slice tiles the one-row sweep times (matmulbench), no route yet
+    if table is matmul.MATMUL_ROUTES:  # the K-slice tiles the one-row sweep times (matmulbench), routes or not
         for config in matmulbench.kwarps_configs(8):
             for x_dtype in (tl.float16, tl.bfloat16):
                 yield x_dtype, config

@@ -300,7 +300,9 @@ def test_routes_are_well_formed():
                 continue
             if config.mma:
                 assert config.block_m % 8 == 0 and config.words in (2, 4) and config.block_k % (32 * config.words) == 0
-                assert config.block_n % (16 * config.num_warps) == 0
+                assert config.block_n % (16 * (1 if config.kwarps > 1 else config.num_warps)) == 0
+                assert config.kwarps == 1 or (config.num_warps == config.kwarps and config.split_k == 1
+                                              and not config.stage_x and not config.wgmma)
                 assert not config.wgmma or (config.num_warps % 4 == 0 and config.block_m <= 256)
             else:
                 assert config.block_m >= 16 if config.dot else config.block_m == 1
@@ -313,25 +315,33 @@ def test_routes_are_well_formed():
         assert capability == (9, 0) or not any(route.config is not None and route.config.wgmma for route in routes)
     # the H100's tables at the measured points (matmulbench.py --sweep)
     route = matmul.choose_route
-    assert route((9, 0), 1, 4096, 14336).config.mma and route((9, 0), 1, 4096, 4096).config.split_k == 16
-    assert route((9, 0), 1, 4096, 1024).config.split_k == 16 and route((9, 0), 2, 4096, 4096).config.split_k == 8
+    assert route((9, 0), 1, 4096, 14336).config.mma and route((9, 0), 3, 4096, 4096).config.split_k == 8
+    assert route((9, 0), 1, 4096, 1024).config.split_k == 16 and route((9, 0), 2, 4096, 1024).config.split_k == 16
     assert route((9, 0), 8, 4096, 1024).config.mma and route((9, 0), 64, 4096, 4096).config.mma
     # the long-K layers at split 16 from 1 to 8 rows, 32 at 1 and 2 rows of 28672x8192 (NOTES.md item 85); not 8192x8192
     assert [route((9, 0), m, 14336, 4096).config.split_k for m in (1, 4, 8, 16)] == [16, 16, 16, 8]
     assert [route((9, 0), m, 28672, 8192).config.split_k for m in (1, 2, 3, 8)] == [32, 32, 16, 16]
     assert route((9, 0), 1, 8192, 8192).config.split_k == 8 and route((9, 0), 8, 8192, 8192).config.split_k == 8
-    # the loop unrolled at 1 to 2 rows (1 to 4 of 14336x4096), 512 columns a step where they divide K (item 87)
+    # K slices across a program's warps at 1 and 2 rows where they divide K, from 4096 inputs (item 99): 4 warps of 512
+    # columns on 4096x14336 and gate|up merged, 256 at two rows of gate|up; 8 warps of 128 on 4096x4096
     wide = route((9, 0), 1, 4096, 14336).config
-    assert wide == route((9, 0), 3, 4096, 14336).config._replace(block_k=512, unroll=4) == route((9, 0), 2, 4096, 14336).config
+    assert wide.kwarps == 4 and wide == route((9, 0), 2, 4096, 14336).config == route((9, 0), 1, 4096, 28672).config
+    assert route((9, 0), 2, 4096, 28672).config == wide._replace(block_k=256)
+    assert [route((9, 0), m, 4096, 4096).config.kwarps for m in (1, 2, 3)] == [8, 8, 1]
+    assert route((9, 0), 1, 14336, 4096).config.kwarps == route((9, 0), 1, 8192, 2048).config.kwarps == 1
+    # elsewhere the loop unrolled at 1 to 2 rows (1 to 4 of 14336x4096), 512 columns a step where they divide K (item 87)
+    unrolled = route((9, 0), 3, 4096, 14336).config._replace(block_k=512, unroll=4)
+    assert route((9, 0), 1, 4608, 14336).config == route((9, 0), 2, 4608, 14336).config == unrolled
     assert route((9, 0), 3, 4096, 14336).config.unroll == 1 and route((9, 0), 1, 8192, 28672).config.unroll == 1
     assert route((9, 0), 1, 4352, 14336).config == route((9, 0), 3, 4096, 14336).config  # 512 columns do not divide K
     assert route((9, 0), 1, 3584, 18944).config == route((9, 0), 3, 4096, 14336).config  # measured from K = 4096 only
     assert [route((9, 0), m, 14336, 4096).config.unroll for m in (1, 4, 8)] == [4, 4, 1]
     assert route((9, 0), 1, 28672, 8192).config == route((9, 0), 1, 28416, 8192).config._replace(block_k=512, unroll=4)
     assert route((9, 0), 1, 4096, 1024).config.num_warps == 8 and route((9, 0), 8, 4096, 1024).config.num_warps == 4
-    # q|k|v merged at one row: 512 columns at split 8 from 24M weights, 4096 inputs and 6144 outputs (item 90)
-    assert tuple(route((9, 0), 1, 4096, 6144).config[:4]) == (8, 64, 512, 8) and route((9, 0), 1, 4096, 6144).config.fold
-    assert route((9, 0), 2, 4096, 6144).config.block_k == 256 and route((9, 0), 1, 4096, 4096).config.block_k == 128
+    # q|k|v merged from 24M weights, 4096 inputs and 6144 outputs: K slices at 1 and 2 rows (item 99), else 512
+    # columns at split 8 at one row (item 90)
+    assert route((9, 0), 1, 4096, 6144).config == wide and route((9, 0), 2, 4096, 6144).config == wide._replace(block_k=256)
+    assert tuple(route((9, 0), 1, 4608, 6144).config[:4]) == (8, 64, 512, 8) and route((9, 0), 1, 4608, 6144).config.fold
     assert route((9, 0), 32, 4096, 14336).config.wgmma and not route((9, 0), 32, 14336, 4096).config.wgmma
     assert route((9, 0), 8, 4096, 14336).config.words == 4 and route((9, 0), 32, 4096, 14336).config.words == 2
     assert not route((9, 0), 4, 4096, 14336).config.stage_x and route((9, 0), 8, 4096, 14336).config.stage_x
@@ -427,7 +437,9 @@ def test_gpu_every_h100_route_within_bound(dtype):
     import bitsandbytes
 
     for route in matmul.MATMUL_ROUTES[(9, 0)]:
-        for shape, rows in (((72, 320), 3), ((136, 1024), route.max_rows)):
+        # the second shape's K whole slices of a K-slice tile (K = 320 takes the tl table's route there)
+        k_slices = 1 if route.config is None else route.config.block_k * route.config.kwarps
+        for shape, rows in (((72, 320), 3), ((136, max(1024, 2 * k_slices)), route.max_rows)):
             packed, state = quantize(shape, dtype=dtype, device="cuda", seed=rows)
             x = torch.randn(rows, shape[1], device="cuda", dtype=dtype)
             y = matmul.linear_by_route(x, packed, state, None, route)
