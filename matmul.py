@@ -392,13 +392,15 @@ MATMUL_ROUTES = {
         # (8 warps of 128 columns: 10.6, 13.3, 18.3); two rows of 4096x6144 at 256 columns 10.6 / 10.6 against 12.5 / 12.6
         Route(1, "fused", _KWARPS(), min_weight=24 * _M, min_in=4096, min_out=6144),
         Route(2, "fused", _KWARPS(block_k=256), min_weight=24 * _M, min_in=4096, min_out=6144),
-        # where 2048 columns do not divide K (items 88, 90): 512 columns at split 8, folded, 11.2 against 12.7 us at
-        # split 16 of 128 columns at one row of 4096x6144; 13.3 against 15.2 at 4096x8192, 17.9 against 19.2 at 4096x11008
+        # where 1024 columns do not divide K (where 2048 do not but 1024 do, one row takes the 256-column slices above,
+        # not measured at one row; items 88, 90): 512 columns at split 8, folded, 11.2 against 12.7 us at split 16 of
+        # 128 columns at one row of 4096x6144; 13.3 against 15.2 at 4096x8192, 17.9 against 19.2 at 4096x11008
         Route(1, "fused", _MMA_TILE(block_k=512, split_k=8, words=4, stage_x=False, fold=True, unroll=4),
               min_weight=24 * _M, min_in=4096, min_out=6144),
         # 4096x4096, K slices across 8 warps of 128 columns (item 99, bf16 / fp16): 8.3 / 8.3 against 9.0 / 8.9 us at
-        # one row, 8.6 / 8.6 against 9.8 / 9.9 at two (4 warps of 512: 9.3 and 9.1); from 4096 outputs, where it was
-        # measured (16-row programs are few on fewer rows: 22.6 against 19.6 at one row of 14336x4096, item 98)
+        # one row, 8.6 / 8.6 against 9.8 / 9.9 at two (4 warps of 512: 9.3 and 9.1); measured at 4096x4096 alone, so
+        # not below its 256 programs of 16 rows (14336x4096's K-slice tiles lost with 256, 22.6 against 19.6 at one
+        # row, item 98; it takes an earlier route)
         Route(2, "fused", _KWARPS(block_k=128, num_warps=8, kwarps=8), min_weight=16 * _M, min_out=4096),
         # where 1024 columns do not divide K: one row of 4096x4096 10.8 / 25.5 / - / 8.9 at split 16 of 128 columns,
         # unstaged (split 8 of 256, staged: 9.6); a tie at 2 rows (9.6 against 9.8), 11.8 against 10.2 at 8 (item 83)
