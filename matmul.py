@@ -38,8 +38,8 @@ from kernel import TL_DTYPE, add_rn, decode, fp32_to_bf16_rne, lookup, mul_ftz
 
 __all__ = ["nf4_linear", "nf4_linear_group", "group_plan", "GroupPlan", "GROUP_MAX_ROWS", "linear_group", "linear_by_route",
            "linear_unchecked", "check_call", "route_taken", "decoded_weight", "choose_route", "Route", "MatmulConfig",
-           "MATMUL_ROUTES", "TL_ROUTES", "routes_for", "mma_runs_on", "mma_supported", "LAUNCHES", "nf4_matmul_kernel",
-           "split_k_reduce_kernel"]
+           "MATMUL_ROUTES", "TL_ROUTES", "routes_for", "mma_runs_on", "mma_supported", "mma_kernel", "LAUNCHES",
+           "nf4_matmul_kernel", "split_k_reduce_kernel"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -634,9 +634,9 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
             return out
     head = (x2d, packed, absmax, code, absmax2, code2, offset, bias if bias is not None else out, target)
     options = dict(BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, FP4=fp4, X_DTYPE=x_dtype,
-                   BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
-                   STEPS_PER_SPLIT=steps // split_k, HAS_BIAS=bias is not None and (split_k == 1 or fold),
-                   USE_INT64=n * k > 2**31 - 1, num_warps=config.num_warps)
+                   BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                   HAS_BIAS=bias is not None and (split_k == 1 or fold), USE_INT64=n * k > 2**31 - 1,
+                   num_warps=config.num_warps)
     if config.mma:
         weights = ((packed, tables, out),) + tuple(members)
         padded = weights + (weights[0],) * (3 - len(weights))  # absent members: never read
@@ -644,28 +644,17 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
         args = head + scratch + (m, n, k, x2d.stride(0), out.shape[1], padded[1][2].shape[1] if members else 0)
         for packed_j, tables_j, out_j in padded[1:]:
             args += (packed_j if packed_j.data_ptr() % 4 == 0 else packed_j.clone(), *tables_j, out_j)
-        if config.kwarps > 1:
-            kernel_fn = mma.nf4_mma_kwarps_kernel
-            per_warp = steps // config.kwarps
-            if (per_warp * config.kwarps != steps or config.split_k != 1 or config.stage_x or config.wgmma
-                    or config.num_warps != config.kwarps):
-                raise ValueError(f"{config}: K slices across warps need split_k 1, x unstaged, a warp a slice and "
-                                 f"{config.kwarps} slices of whole {config.block_k}-column steps (K = {k})")
-            options.update(STEPS_PER_WARP=per_warp, UNROLL=unroll_taken(per_warp, config.unroll), MEMBERS=len(weights),
-                           **mma.kwarps_constexprs(config.kwarps, config.block_n, config.block_k, config.block_m,
-                                                   config.words))
-            for name in ("SPLIT_K", "STEPS_PER_SPLIT"):  # no split between programs
-                del options[name]
-        else:
-            kernel_fn = mma.nf4_mma_kernel
-            options.update(FOLD=fold, STAGE_X=config.stage_x, PREFETCH=config.prefetch,
-                           UNROLL=unroll_taken(steps // split_k, config.unroll), MEMBERS=len(weights),
-                           **mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m,
-                                                   config.words, config.wgmma))
+        if config.kwarps > 1 and (steps % config.kwarps or config.split_k != 1 or config.stage_x or config.wgmma
+                                  or config.num_warps != config.kwarps):
+            raise ValueError(f"{config}: K slices across warps need split_k 1, x unstaged, a warp a slice and "
+                             f"{config.kwarps} slices of whole {config.block_k}-column steps (K = {k})")
+        kernel_fn, constexprs = mma_kernel(config, steps, split_k, fold, len(weights))
+        options.update(constexprs)
     else:
         kernel_fn = nf4_matmul_kernel
         args = head + (m, n, k, x2d.stride(0))
-        options.update(DOT=config.dot, USE_ASM=use_asm, BF16_VIA_INT=bf16_via_int, LOOKUP=code_lookup,
+        options.update(SPLIT_K=split_k, STEPS_PER_SPLIT=steps // split_k, DOT=config.dot, USE_ASM=use_asm,
+                       BF16_VIA_INT=bf16_via_int, LOOKUP=code_lookup,
                        EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_stages=config.num_stages)
     fused = _run(kernel_fn, grid, args, options, out_at=None if key is None else 8)
     reduce = None
@@ -680,6 +669,22 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
             LAUNCHES.clear()
         LAUNCHES[key] = (fused, reduce)
     return out
+
+
+def mma_kernel(config, steps, split_k, fold, members):
+    """mma.py's kernel for ``config`` and its constexprs beyond the shared ones (block sizes, formats, bias), for
+    a call of ``steps`` BLOCK_K steps at ``split_k`` (``split_taken``), ``fold`` (its split-K sum in the kernel)
+    and ``members`` weights: ``nf4_mma_kernel``, or ``nf4_mma_kwarps_kernel`` for K slices across warps."""
+    if config.kwarps > 1:  # no split between programs
+        per_warp = steps // config.kwarps
+        return mma.nf4_mma_kwarps_kernel, dict(
+            STEPS_PER_WARP=per_warp, UNROLL=unroll_taken(per_warp, config.unroll), MEMBERS=members,
+            **mma.kwarps_constexprs(config.kwarps, config.block_n, config.block_k, config.block_m, config.words))
+    return mma.nf4_mma_kernel, dict(
+        SPLIT_K=split_k, STEPS_PER_SPLIT=steps // split_k, FOLD=fold, STAGE_X=config.stage_x, PREFETCH=config.prefetch,
+        UNROLL=unroll_taken(steps // split_k, config.unroll), MEMBERS=members,
+        **mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m, config.words,
+                                config.wgmma))
 
 
 def mma_supported(x2d, k, blocksize, config):

@@ -22,7 +22,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 import kernel  # noqa: E402
 import matmul  # noqa: E402
 import matmulbench  # noqa: E402
-import mma  # noqa: E402
 
 TL_NAME = {tl.float16: "fp16", tl.bfloat16: "bf16", tl.float32: "fp32"}
 
@@ -57,34 +56,23 @@ def compile_variant(capability, x_dtype, config):
                  "out_ptr": f"*{name}" if split_k == 1 else "*fp32", "M": "i32", "N": "i32", "K": "i32",
                  "stride_xm": "i32"}
     constexprs = dict(BLOCKSIZE=64, BLOCKSIZE2=256, NESTED=True, FP4=False, X_DTYPE=x_dtype, BLOCK_M=config.block_m,
-                      BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
-                      STEPS_PER_SPLIT=steps // split_k, HAS_BIAS=False, USE_INT64=False)
+                      BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_BIAS=False, USE_INT64=False)
     options = {"num_warps": config.num_warps}
     if config.mma:
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        fn, make_source = mma.nf4_mma_kernel, GluonASTSource
+        make_source = GluonASTSource
         signature.update(out_ptr=f"*{name}", partial_ptr="*fp32", counter_ptr="*i32", rows0="i32", rows1="i32")
         for member in ("m1", "m2"):  # the members of a group launch (MEMBERS 1 here: unread)
             signature.update({f"{member}_packed_ptr": "*u8", f"{member}_absmax_ptr": "*u8", f"{member}_code_ptr": "*fp32",
                               f"{member}_absmax2_ptr": "*fp32", f"{member}_code2_ptr": "*fp32",
                               f"{member}_offset_ptr": "*fp32", f"{member}_out_ptr": f"*{name}"})
-        if config.kwarps > 1:  # K slices across a program's warps: no split-K scratch
-            fn = mma.nf4_mma_kwarps_kernel
-            per_warp = steps // config.kwarps
-            for name in ("SPLIT_K", "STEPS_PER_SPLIT", "partial_ptr", "counter_ptr"):
-                (constexprs if name.isupper() else signature).pop(name)
-            constexprs.update(STEPS_PER_WARP=per_warp, UNROLL=matmul.unroll_taken(per_warp, config.unroll), MEMBERS=1)
-            constexprs.update(mma.kwarps_constexprs(config.kwarps, config.block_n, config.block_k, config.block_m,
-                                                    config.words))
-        else:
-            constexprs.update(STAGE_X=config.stage_x, FOLD=config.fold and split_k > 1, PREFETCH=config.prefetch,
-                              UNROLL=matmul.unroll_taken(steps // split_k, config.unroll), MEMBERS=1)
-            constexprs.update(mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m,
-                                                    config.words, config.wgmma))
+        fn, mma_constexprs = matmul.mma_kernel(config, steps, split_k, config.fold and split_k > 1, 1)  # as launched
+        constexprs.update(mma_constexprs)
     else:
         fn, make_source = matmul.nf4_matmul_kernel, triton.compiler.ASTSource
-        constexprs.update(DOT=config.dot, USE_ASM=True, BF16_VIA_INT=capability < (8, 0), EVEN=True,
+        constexprs.update(SPLIT_K=split_k, STEPS_PER_SPLIT=steps // split_k, DOT=config.dot, USE_ASM=True,
+                          BF16_VIA_INT=capability < (8, 0), EVEN=True,
                           LOOKUP=config.lookup if kernel.TRITON_COMPILES_SHARED_TABLES else 0)
         options["num_stages"] = config.num_stages
     signature.update({key: "constexpr" for key in constexprs})
