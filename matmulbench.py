@@ -139,16 +139,22 @@ def kwarps_configs(block_m):
             for kwarps, bn, bk, unroll in KWARPS_TILES]
 
 
+def streamed(configs):
+    """``configs`` and each of mma.py's again with the weight's words evict-first (``MatmulConfig.stream``, NOTES.md
+    item 101)."""
+    return configs + [config._replace(stream=True) for config in configs if config.mma]
+
+
 def _wgmma(block_m):
     return [C(block_m, bn, bk, sk, True, warps, mma=True, wgmma=True, prefetch=True)
             for warps, bn, bk, sk in WGMMA_TILES[block_m]]
 
 
 CANDIDATES = {
-    8: [C(1, 32, 256, 4, False, 4, 3, 0)] + _mma(8, MMA_TILES[8]) + kwarps_configs(8),
-    16: [C(16, bn, bk, sk, True, 4, st, lookup) for bn, bk, sk, st, lookup in (
+    8: streamed([C(1, 32, 256, 4, False, 4, 3, 0)] + _mma(8, MMA_TILES[8]) + kwarps_configs(8)),
+    16: streamed([C(16, bn, bk, sk, True, 4, st, lookup) for bn, bk, sk, st, lookup in (
         (64, 256, 4, 2, 2), (64, 512, 4, 2, 2), (64, 128, 4, 2, 2), (32, 256, 4, 2, 2), (32, 256, 4, 2, 1),
-        (64, 256, 1, 3, 2), (64, 128, 4, 2, 1))] + _mma(16, MMA_TILES[8]),
+        (64, 256, 1, 3, 2), (64, 128, 4, 2, 1))] + _mma(16, MMA_TILES[8])),
     32: _mma(32, MMA_TILES[32]) + _wgmma(32),
     64: [C(64, bn, bk, sk, True, w, 3, lookup) for bn, bk, sk, w, lookup in (
         (64, 128, 1, 4, 2), (128, 128, 2, 4, 2), (64, 128, 2, 4, 2), (64, 64, 2, 8, 2), (64, 128, 1, 4, 1),

@@ -214,8 +214,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _step_loads(word_ptrs, block, row_block, absmax_ptr, absmax2_ptr, k0, BLOCKSIZE: gl.constexpr,
-                    BLOCKSIZE2: gl.constexpr, NESTED: gl.constexpr, BLOCK_K: gl.constexpr):
-        """A step's weight loads: (words, absmax, absmax2 where NESTED, else absmax again)."""
+                    BLOCKSIZE2: gl.constexpr, NESTED: gl.constexpr, BLOCK_K: gl.constexpr, WORDS_POLICY: gl.constexpr):
+        """A step's weight loads: (words, absmax, absmax2 where NESTED, else absmax again); the words' loads with
+        ``WORDS_POLICY`` ("evict_first", or "" for none)."""
         step_block = block + k0 // BLOCKSIZE
         absmax = gl.load(absmax_ptr + step_block)
         absmax2 = absmax
@@ -224,7 +225,7 @@ if AVAILABLE:
                 absmax2 = gl.load(absmax2_ptr + (row_block + k0 // BLOCKSIZE) // BLOCKSIZE2)
             else:
                 absmax2 = gl.load(absmax2_ptr + step_block // BLOCKSIZE2)
-        return gl.load(word_ptrs + k0 // 8), absmax, absmax2
+        return gl.load(word_ptrs + k0 // 8, eviction_policy=WORDS_POLICY), absmax, absmax2
 
     @gluon.jit
     def _member(pid_n, BLOCK_N: gl.constexpr, MEMBERS: gl.constexpr, N, rows0, rows1, weight, m1, m2):
@@ -320,6 +321,7 @@ if AVAILABLE:
         WGMMA: gl.constexpr,  # sm_90's warp-group MMA, x's tile its shared operand (STAGE_X unused)
         PREFETCH: gl.constexpr,  # a step's loads issued during the step before
         UNROLL: gl.constexpr,  # steps of the K loop in one unrolled body (a divisor of STEPS_PER_SPLIT)
+        WORDS_POLICY: gl.constexpr,  # the words' loads' eviction policy: "evict_first" (L1 and L2) or ""
         MEMBERS: gl.constexpr,  # weights in this launch, 1 to 3 (no bias where more than 1)
         W_LAYOUT: gl.constexpr,  # layouts(...)[0]
         X_LAYOUT: gl.constexpr,  # layouts(...)[1]
@@ -379,7 +381,7 @@ if AVAILABLE:
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
         if PREFETCH:  # a step's loads issued a step ahead, carried in registers
             words, absmax, absmax2 = _step_loads(word_ptrs, block, row_block, absmax_ptr, absmax2_ptr, first * BLOCK_K,
-                                                 BLOCKSIZE, BLOCKSIZE2, NESTED, BLOCK_K)
+                                                 BLOCKSIZE, BLOCKSIZE2, NESTED, BLOCK_K, WORDS_POLICY)
             x = gl.load(x_ptrs + first * BLOCK_K, mask=x_mask, other=0.0)
         for outer in range(STEPS_PER_SPLIT // UNROLL):
             for inner in gl.static_range(UNROLL):  # UNROLL steps in one body: loads hoisted past the last step's math
@@ -387,7 +389,7 @@ if AVAILABLE:
                 k0 = (first + step) * BLOCK_K
                 if not PREFETCH:
                     words, absmax, absmax2 = _step_loads(word_ptrs, block, row_block, absmax_ptr, absmax2_ptr, k0,
-                                                         BLOCKSIZE, BLOCKSIZE2, NESTED, BLOCK_K)
+                                                         BLOCKSIZE, BLOCKSIZE2, NESTED, BLOCK_K, WORDS_POLICY)
                     if WGMMA:
                         x = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
                 if WGMMA:  # x's tile stored before the next step's loads: the proxy fence waits for the thread's loads
@@ -399,7 +401,7 @@ if AVAILABLE:
                     k_next = (first + gl.minimum(step + 1, STEPS_PER_SPLIT - 1)) * BLOCK_K
                     next_words, next_absmax, next_absmax2 = _step_loads(word_ptrs, block, row_block, absmax_ptr,
                                                                         absmax2_ptr, k_next, BLOCKSIZE, BLOCKSIZE2,
-                                                                        NESTED, BLOCK_K)
+                                                                        NESTED, BLOCK_K, WORDS_POLICY)
                     next_x = gl.load(x_ptrs + k_next, mask=x_mask, other=0.0)
                 weights = _decoded(words, shifts, entry, absmax, absmax2, code2_ptr, offset, NESTED, X_DTYPE)
                 a = gl.convert_layout(_mma_order(weights, BLOCK_N, BLOCK_K, WORDS), gl.DotOperandLayout(0, MMA, 2),
@@ -465,6 +467,7 @@ if AVAILABLE:
         HAS_BIAS: gl.constexpr, USE_INT64: gl.constexpr,
         WORDS: gl.constexpr,  # words of a row each thread holds a chunk: 2 or 4
         UNROLL: gl.constexpr,  # steps in one unrolled loop body (a divisor of STEPS_PER_WARP)
+        WORDS_POLICY: gl.constexpr,  # as nf4_mma_kernel's
         MEMBERS: gl.constexpr,  # weights in this launch, 1 to 3 (no bias where more than 1)
         W_LAYOUT: gl.constexpr,  # kwarps_layouts(...)[0]
         X_LAYOUT: gl.constexpr,  # kwarps_layouts(...)[1]
@@ -512,7 +515,7 @@ if AVAILABLE:
             for inner in gl.static_range(UNROLL):
                 k0 = (outer * UNROLL + inner) * BLOCK_K
                 words, absmax, absmax2 = _step_loads(word_ptrs, block, row_block, absmax_ptr, absmax2_ptr, k0,
-                                                     BLOCKSIZE, BLOCKSIZE2, NESTED, BLOCK_K)
+                                                     BLOCKSIZE, BLOCKSIZE2, NESTED, BLOCK_K, WORDS_POLICY)
                 weights = _decoded(words, shifts, entry, absmax, absmax2, code2_ptr, offset, NESTED, X_DTYPE)
                 a = gl.convert_layout(_batched_mma_order(weights, KWARPS, BLOCK_N, BLOCK_K, WORDS),
                                       gl.DotOperandLayout(0, MMA, 2), assert_trivial=True)

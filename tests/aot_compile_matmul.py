@@ -43,6 +43,9 @@ def variants(capability):
         for config in matmulbench.kwarps_configs(8):
             for x_dtype in (tl.float16, tl.bfloat16):
                 yield x_dtype, config
+        # each kernel once with the words evict-first (matmulbench.streamed): the K-slice tile and 14336x4096's one-row route
+        for config in (matmulbench.kwarps_configs(8)[0], matmul.choose_route(capability, 1, 14336, 4096).config):
+            yield tl.bfloat16, config._replace(stream=True)
 
 
 def compile_variant(capability, x_dtype, config):
@@ -95,8 +98,10 @@ def main():
                           "asm_mul_ftz": len(re.findall(r"mul\.rn\.ftz\.f32", ptx)),
                           "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
                           "mma": len(re.findall(r"\bmma\.sync", ptx)),
-                          "ld_v4": len(re.findall(r"ld\.global(\.[a-z]+)*\.v4", ptx)),
-                          "ld_v2": len(re.findall(r"ld\.global(\.[a-z]+)*\.v2", ptx))}), flush=True)
+                          "ld_v4": len(re.findall(r"ld\.global(\.[\w:]+)*\.v4", ptx)),
+                          "ld_v2": len(re.findall(r"ld\.global(\.[\w:]+)*\.v2", ptx)),
+                          "ld_evict_first": len(re.findall(r"ld\.global\.L1::evict_first\.L2::cache_hint", ptx))}),
+              flush=True)
 
 
 if __name__ == "__main__":

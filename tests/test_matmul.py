@@ -401,7 +401,7 @@ def test_routes_compile_ahead_of_time(cc):
     reads its own fragments, the folded split-K sum's count in 4 bytes (the tile's space, where it has one),
     and a thread's words of a chunk in one vector load (16 bytes at 4 words, 8 at 2), as the JIT compiles a
     call with aligned tensors (unspecialized, every load is scalar); the K-slice tiles the one-row sweep
-    times likewise, their slices' sums through shared memory."""
+    times likewise, their slices' sums through shared memory; the words evict-first where a config streams them."""
     import json
     import os
     import subprocess
@@ -425,6 +425,8 @@ def test_routes_compile_ahead_of_time(cc):
             else:
                 assert line["shared_bytes"] == max(x_tile_bytes, count_bytes), line
             assert line["ld_v4" if config["words"] == 4 else "ld_v2"] > 0, line
+            # stream: the words' vector loads evict-first in L1 and L2 (one policy register); no route's otherwise
+            assert (line["ld_evict_first"] > 0) == config["stream"], line
         elif config["dot"]:  # a tensor-core tile
             assert cc < 80 or line["wgmma"] + line["mma"] > 0, line
 
@@ -451,7 +453,8 @@ def test_gpu_every_h100_route_within_bound(dtype):
 
 # mma.py's tiles: (block_m, block_n, block_k, split_k, num_warps); one to four repeats of 16 rows a warp, 2 or 4
 # words a thread and chunk, x staged in shared memory or read by each warp, the split-K sum in a second kernel or
-# folded into the first; K slices across a program's warps (kwarps: one or two repeats, 2 or 4 words, 2 to 8 warps).
+# folded into the first; K slices across a program's warps (kwarps: one or two repeats, 2 or 4 words, 2 to 8 warps);
+# the words evict-first (stream) in each kernel.
 MMA_CONFIGS = [C(8, 64, 64, 1, True, 4, mma=True), C(16, 128, 128, 2, True, 4, mma=True),
                C(8, 128, 256, 4, True, 8, mma=True), C(64, 128, 64, 1, True, 2, mma=True),
                C(8, 64, 256, 2, True, 4, mma=True, words=4), C(16, 64, 128, 1, True, 4, mma=True, words=4),
@@ -464,7 +467,9 @@ MMA_CONFIGS = [C(8, 64, 64, 1, True, 4, mma=True), C(16, 128, 128, 2, True, 4, m
                C(32, 64, 128, 4, True, 4, mma=True, prefetch=True),
                C(8, 16, 128, 1, True, 4, mma=True, words=4, stage_x=False, kwarps=4),
                C(16, 32, 64, 1, True, 2, mma=True, stage_x=False, kwarps=2),
-               C(8, 16, 512, 1, True, 8, mma=True, words=4, stage_x=False, unroll=4, kwarps=8)]
+               C(8, 16, 512, 1, True, 8, mma=True, words=4, stage_x=False, unroll=4, kwarps=8),
+               C(8, 64, 128, 2, True, 4, mma=True, words=4, stage_x=False, fold=True, stream=True),
+               C(8, 16, 256, 1, True, 4, mma=True, words=4, stage_x=False, unroll=4, kwarps=4, stream=True)]
 
 
 @pytest.mark.gpu
