@@ -294,7 +294,8 @@ class MatmulConfig(typing.NamedTuple):
     kwarps: int = 1  # mma.py, x unstaged, no split_k: a program's warps each sum one K slice of one warp's block_n rows,
     # their sums added through shared memory (nf4_mma_kwarps_kernel; num_warps = kwarps, K a multiple of block_k * kwarps)
     stream: bool = False  # mma.py: the weight's words loaded evict-first in L1 and L2; where sums are folded or read
-    # back 0.4 to 1.8 us less (19.7 -> 18.9 us at one row of 14336x4096), at q|k|v's one-row K slices 0.6 more (item 101)
+    # back 0.4 to 1.8 us less (19.7 -> 18.9 us at one row of 14336x4096), at q|k|v's one-row K slices 0.6 more: routed
+    # where it won (item 101)
 
 
 class Route(typing.NamedTuple):
@@ -361,16 +362,19 @@ MATMUL_ROUTES = {
         # K slices across 4 warps (item 99, bf16 / fp16): one row of 4096x14336 18.7 / 18.7 against 19.9 / 19.9, of
         # gate|up merged (4096x28672) 34.0 / 33.8 against 35.4 / 35.3; two rows 19.6 / 19.6 against 20.8 / 20.9 (256
         # columns 19.8), gate|up 35.5 / 35.5 at 256 columns (512: 36.4) against 37.3 / 37.3
-        Route(1, "fused", _KWARPS(), min_weight=56 * _M, min_in=4096, min_out=14336),
-        Route(2, "fused", _KWARPS(block_k=256), min_weight=112 * _M, min_in=4096, min_out=28672),
+        # the words streamed (item 101; H100 / H200, us): gate|up 33.8 -> 33.5 / 33.6 -> 33.5 at one row, 35.6 -> 34.6 /
+        # 35.4 -> 34.8 at two; not 4096x14336's two rows (19.4 both)
+        Route(1, "fused", _KWARPS(stream=True), min_weight=56 * _M, min_in=4096, min_out=14336),
+        Route(2, "fused", _KWARPS(block_k=256, stream=True), min_weight=112 * _M, min_in=4096, min_out=28672),
         Route(2, "fused", _KWARPS(), min_weight=56 * _M, min_in=4096, min_out=14336),
         # where 2048 columns do not divide K: 512 columns a step, the loop unrolled (item 87), 20.0 / 20.8 against
         # 20.8 / 21.2 at 1 / 2 rows of 4096x14336
         Route(2, "fused", _UNSTAGED._replace(block_k=512, unroll=4), min_weight=56 * _M, min_in=4096, min_out=14336),
-        Route(4, "fused", _UNSTAGED, min_weight=56 * _M, min_out=14336),
+        Route(4, "fused", _UNSTAGED._replace(stream=True), min_weight=56 * _M, min_out=14336),  # streamed 23.0 -> 22.2 at 4
         # 4 words a thread (16-byte loads, 64 registers against 79): 1 and 8 rows of 4096x14336 29.5 / 67.0 against
         # 23.3 / 23.9 at split 4 (2 words at split 8: 24.8 / 26.1)
-        Route(8, "fused", _MMA_TILE(split_k=4, words=4), min_weight=56 * _M, min_out=14336),
+        # streamed (item 101, H100): 24.9 -> 23.7 at 8 rows of 4096x14336, 43.2 -> 41.4 of gate|up
+        Route(8, "fused", _MMA_TILE(split_k=4, words=4, stream=True), min_weight=56 * _M, min_out=14336),
         # 28672x8192: 80.6 / 81.4 at 1 / 2 rows at split 4 against x staged's 82.6 / 82.5 at split 8 (87.9 / 88.9
         # unstaged), 83.0 staged at 4 rows. The split-K sum folded in (item 81): 82.8 / 84.3 against 83.3 / 85.1 at
         # 4 / 8 rows; 82.2 / 83.1 against 80.9 / 81.6 at 1 / 2 rows, so not there (nor on 4096x14336: 24.5 against 24.4)
@@ -385,15 +389,18 @@ MATMUL_ROUTES = {
         # 23.3 / 24.7 at 1 / 2 / 4 / 8 rows against split 8's 23.6 / 24.0 / 24.7 / 25.6 (split 32: 23.1 / 24.3 /
         # 26.0 / 26.5); K of 14336 and more only, the 70B's 8192x8192 not swept
         # the loop unrolled (item 87): 19.4 / 20.7 / 22.6 against 20.9 / 21.9 / 23.3 at 1 / 2 / 4 rows
-        Route(4, "fused", _MMA_TILE(split_k=16, words=4, stage_x=False, fold=True, unroll=4), min_weight=56 * _M,
-              min_in=14336),
-        Route(8, "fused", _MMA_TILE(split_k=16, words=4, fold=True), min_weight=56 * _M, min_in=14336),
+        # the words streamed (item 101; H100 / H200): 19.7 -> 18.9 / 19.7 -> 18.9 at one row, 20.7 -> 19.8 / 20.5 -> 20.0
+        # at two, 22.7 -> 22.1 at 4, 24.8 -> 24.0 / 24.4 -> 23.9 at 8
+        Route(4, "fused", _MMA_TILE(split_k=16, words=4, stage_x=False, fold=True, unroll=4, stream=True),
+              min_weight=56 * _M, min_in=14336),
+        Route(8, "fused", _MMA_TILE(split_k=16, words=4, fold=True, stream=True), min_weight=56 * _M, min_in=14336),
         Route(4, "fused", _MMA_TILE(words=4, stage_x=False, fold=True), min_weight=56 * _M),
         # one row of q|k|v merged (4096x6144), K slices across 4 warps (item 99, bf16 / fp16): 10.7 / 10.7 against
         # 11.1 / 11.1 us; 12.0 / 12.0 against 13.4 / 13.4 at 4096x8192, 16.3 / 16.2 against 17.9 / 17.8 at 4096x11008
         # (8 warps of 128 columns: 10.6, 13.3, 18.3); two rows of 4096x6144 at 256 columns 10.6 / 10.6 against 12.5 / 12.6
         Route(1, "fused", _KWARPS(), min_weight=24 * _M, min_in=4096, min_out=6144),
-        Route(2, "fused", _KWARPS(block_k=256), min_weight=24 * _M, min_in=4096, min_out=6144),
+        # streamed at two rows (item 101; H100 / H200): 10.6 -> 10.2 / 10.4 -> 10.0; at one row 10.7 -> 11.3, so not there
+        Route(2, "fused", _KWARPS(block_k=256, stream=True), min_weight=24 * _M, min_in=4096, min_out=6144),
         # where 1024 columns do not divide K (where 2048 do not but 1024 do, one row takes the 256-column slices above,
         # not measured at one row; items 88, 90): 512 columns at split 8, folded, 11.2 against 12.7 us at split 16 of
         # 128 columns at one row of 4096x6144; 13.3 against 15.2 at 4096x8192, 17.9 against 19.2 at 4096x11008
@@ -409,16 +416,19 @@ MATMUL_ROUTES = {
         Route(1, "fused", _MMA_TILE(block_k=128, split_k=16, words=4, stage_x=False, fold=True), min_weight=16 * _M),
         # 8 rows: 124.4 / 100.2 / 47.8 / 26.5 at 14336x4096 (2 words 26.3); 37.3 / 25.2 / 17.8 / 11.1 at 4096x4096
         # (11.0). Folded: 25.7 against 26.4, 10.4 against 11.3 (2 to 8 rows: 0.5 to 1.2 us less)
-        Route(8, "fused", _MMA_TILE(words=4, fold=True), min_weight=16 * _M),
+        # streamed (item 101; H100 / H200): 13.0 -> 12.6 / 12.5 -> 12.2 at 8 rows of q|k|v, 10.5 -> 10.0 / 10.0 -> 9.6 of o
+        Route(8, "fused", _MMA_TILE(words=4, fold=True, stream=True), min_weight=16 * _M),
         # below 16M weights split 16 (item 83): 5.4 / 6.0 / 6.4 us at 1 / 2 / 8 rows of 4096x1024 against split 8's
         # 6.4 / 6.7 / 6.9; bitsandbytes 7.1 / 9.3 / 17.5. 8 warps and 128 weight rows at 1 and 2 rows (item 87): 5.3 /
         # 6.0 against 5.5 / 6.1
-        Route(2, "fused", _MMA_TILE(block_n=128, split_k=16, num_warps=8, words=4, fold=True)),
-        Route(8, "fused", _MMA_TILE(split_k=16, words=4, fold=True)),
+        # streamed (item 101): 5.3 -> 5.0, 6.0 -> 5.8 and 6.4 -> 6.1 at 1, 2 and 8 rows
+        Route(2, "fused", _MMA_TILE(block_n=128, split_k=16, num_warps=8, words=4, fold=True, stream=True)),
+        Route(8, "fused", _MMA_TILE(split_k=16, words=4, fold=True, stream=True)),
         # 16 rows: 67.8 / 100.4 / 49.5 / 29.7 at 4096x14336 (2 words 30.6); 124.6 / 100.3 / - / 29.0 at 14336x4096
         # (4 words 31.4); 37.5 / 26.1 / - / 12.0 at 4096x4096 (12.1); 17.4 / 11.4 / - / 7.7 at 4096x1024 (8.4)
-        Route(16, "fused", _MMA_TILE(block_m=16, split_k=4, words=4), min_weight=56 * _M, min_out=14336),
-        Route(16, "fused", _MMA_TILE(block_m=16, fold=True), min_weight=56 * _M),  # folded 28.4 against 29.2
+        # streamed (item 101): 55.1 -> 54.3 at gate|up, 28.3 -> 27.7 at 14336x4096
+        Route(16, "fused", _MMA_TILE(block_m=16, split_k=4, words=4, stream=True), min_weight=56 * _M, min_out=14336),
+        Route(16, "fused", _MMA_TILE(block_m=16, fold=True, stream=True), min_weight=56 * _M),  # folded 28.4 against 29.2
         Route(16, "fused", _MMA_TILE(block_m=16, words=4)),
         # 32 rows: 69.4 / 98.8 / - / 36.2 at 4096x14336; 125.2 / 100.3 / - / 34.7 at 14336x4096; 35.9 / 24.8 / - /
         # 15.0 at 4096x4096; 18.0 / 11.6 / - / 10.0 at 4096x1024. wgmma (item 82): 34.0 at 4096x14336 (38.0 at

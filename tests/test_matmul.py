@@ -325,12 +325,17 @@ def test_routes_are_well_formed():
     # K slices across a program's warps at 1 and 2 rows where they divide K, from 4096 inputs (item 99): 4 warps of 512
     # columns on 4096x14336 and gate|up merged, 256 at two rows of gate|up; 8 warps of 128 on 4096x4096
     wide = route((9, 0), 1, 4096, 14336).config
-    assert wide.kwarps == 4 and wide == route((9, 0), 2, 4096, 14336).config == route((9, 0), 1, 4096, 28672).config
-    assert route((9, 0), 2, 4096, 28672).config == wide._replace(block_k=256)
+    assert wide.kwarps == 4 and wide == route((9, 0), 2, 4096, 14336).config._replace(stream=True)
+    assert wide == route((9, 0), 1, 4096, 28672).config and route((9, 0), 2, 4096, 28672).config == wide._replace(block_k=256)
+    # the words streamed where it won (item 101): folded or read-back sums, not the one-row K slices of q|k|v or 4096x4096
+    assert all(route((9, 0), m, 14336, 4096).config.stream for m in (1, 4, 8, 16))
+    assert all(route((9, 0), m, 4096, 28672).config.stream for m in (1, 2, 4, 8, 16))
+    assert not any(route((9, 0), m, *shape).config.stream for m, shape in ((1, (4096, 6144)), (1, (4096, 4096)),
+                                                                          (2, (4096, 4096)), (32, (4096, 14336))))
     assert [route((9, 0), m, 4096, 4096).config.kwarps for m in (1, 2, 3)] == [8, 8, 1]
     assert route((9, 0), 1, 14336, 4096).config.kwarps == route((9, 0), 1, 8192, 2048).config.kwarps == 1
     # elsewhere the loop unrolled at 1 to 2 rows (1 to 4 of 14336x4096), 512 columns a step where they divide K (item 87)
-    unrolled = route((9, 0), 3, 4096, 14336).config._replace(block_k=512, unroll=4)
+    unrolled = route((9, 0), 3, 4096, 14336).config._replace(block_k=512, unroll=4, stream=False)
     assert route((9, 0), 1, 4608, 14336).config == route((9, 0), 2, 4608, 14336).config == unrolled
     assert route((9, 0), 3, 4096, 14336).config.unroll == 1 and route((9, 0), 1, 8192, 28672).config.unroll == 1
     assert route((9, 0), 1, 4352, 14336).config == route((9, 0), 3, 4096, 14336).config  # 512 columns do not divide K
@@ -340,7 +345,8 @@ def test_routes_are_well_formed():
     assert route((9, 0), 1, 4096, 1024).config.num_warps == 8 and route((9, 0), 8, 4096, 1024).config.num_warps == 4
     # q|k|v merged from 24M weights, 4096 inputs and 6144 outputs: K slices at 1 and 2 rows (item 99), else 512
     # columns at split 8 at one row (item 90)
-    assert route((9, 0), 1, 4096, 6144).config == wide and route((9, 0), 2, 4096, 6144).config == wide._replace(block_k=256)
+    assert route((9, 0), 1, 4096, 6144).config == wide._replace(stream=False)
+    assert route((9, 0), 2, 4096, 6144).config == wide._replace(block_k=256)
     assert tuple(route((9, 0), 1, 4608, 6144).config[:4]) == (8, 64, 512, 8) and route((9, 0), 1, 4608, 6144).config.fold
     assert route((9, 0), 32, 4096, 14336).config.wgmma and not route((9, 0), 32, 14336, 4096).config.wgmma
     assert route((9, 0), 8, 4096, 14336).config.words == 4 and route((9, 0), 32, 4096, 14336).config.words == 2
