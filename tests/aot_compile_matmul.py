@@ -43,9 +43,6 @@ def variants(capability):
         for config in matmulbench.kwarps_configs(8):
             for x_dtype in (tl.float16, tl.bfloat16):
                 yield x_dtype, config
-        # each kernel once with the words evict-first (matmulbench.streamed): the K-slice tile and 14336x4096's one-row route
-        for config in (matmulbench.kwarps_configs(8)[0], matmul.choose_route(capability, 1, 14336, 4096).config):
-            yield tl.bfloat16, config._replace(stream=True)
 
 
 def compile_variant(capability, x_dtype, config):
