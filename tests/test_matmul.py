@@ -19,6 +19,7 @@ import torch
 import fastpath
 import kernel
 import matmul
+import mma
 import quantstate
 from helpers import assert_unchanged, linear4bit, quantize, snapshot
 from matmul import MatmulConfig
@@ -435,7 +436,7 @@ def test_routes_compile_ahead_of_time(cc):
             assert (line["ld_evict_first"] > 0) == config["stream"], line
         elif config["dot"]:  # a tensor-core tile
             assert cc < 80 or line["wgmma"] + line["mma"] > 0, line
-    if cc == 90 and matmul.mma.AVAILABLE:  # sm_90's mma.py routes stream the words in both kernels, not in every route
+    if cc == 90 and mma.AVAILABLE:  # sm_90's mma.py routes stream the words in both kernels, not in every route
         # (items 101, 102); before Triton 3.6 the tl table's routes, none of mma.py's
         streamed = {(line["config"]["kwarps"] > 1, line["config"]["stream"]) for line in lines if line["config"]["mma"]}
         assert streamed == {(True, True), (True, False), (False, True), (False, False)}
