@@ -296,6 +296,8 @@ class MatmulConfig(typing.NamedTuple):
     stream: bool = False  # mma.py: the weight's words loaded evict-first in L1 and L2; where sums are folded or read
     # back 0.4 to 1.8 us less (19.7 -> 18.9 us at one row of 14336x4096), at q|k|v's one-row K slices 0.6 more: routed
     # where it won (item 101)
+    accumulators: int = 1  # mma.py's K slices (kwarps > 1): a warp's unrolled steps summed into 1 or 2 accumulators in
+    # turn, added at the end: 33.4 -> 33.1 us at one row of gate|up merged, slower elsewhere (items 102, 103)
 
 
 class Route(typing.NamedTuple):
@@ -364,6 +366,9 @@ MATMUL_ROUTES = {
         # columns 19.8), gate|up 35.5 / 35.5 at 256 columns (512: 36.4) against 37.3 / 37.3
         # the words streamed (item 101; H100 / H200, us): gate|up 33.8 -> 33.5 / 33.6 -> 33.5 at one row, 35.6 -> 34.6 /
         # 35.4 -> 34.8 at two; not 4096x14336's two rows (19.4 both)
+        # two accumulators (item 103; H200, 7 / 9 rounds): gate|up 33.39 -> 33.02 us in bf16, 33.42 -> 33.06 in fp16 at one
+        # row; at two rows, on q|k|v, o and down they lose
+        Route(1, "fused", _KWARPS(stream=True, accumulators=2), min_weight=112 * _M, min_in=4096, min_out=28672),
         Route(1, "fused", _KWARPS(stream=True), min_weight=56 * _M, min_in=4096, min_out=14336),
         Route(2, "fused", _KWARPS(block_k=256, stream=True), min_weight=112 * _M, min_in=4096, min_out=28672),
         Route(2, "fused", _KWARPS(), min_weight=56 * _M, min_in=4096, min_out=14336),
@@ -391,6 +396,10 @@ MATMUL_ROUTES = {
         # the loop unrolled (item 87): 19.4 / 20.7 / 22.6 against 20.9 / 21.9 / 23.3 at 1 / 2 / 4 rows
         # the words streamed (item 101; H100 / H200): 19.7 -> 18.9 / 19.7 -> 18.9 at one row, 20.7 -> 19.8 / 20.5 -> 20.0
         # at two, 22.7 -> 22.1 at 4, 24.8 -> 24.0 / 24.4 -> 23.9 at 8
+        # 512 columns a step at 1 and 2 rows (item 103; H200, bf16 / fp16): 18.82 -> 18.70 / 18.81 -> 18.61 us at one row,
+        # 20.08 -> 19.86 / 20.03 -> 19.82 at two; at K = 14336 each split sums the same 1024 columns in the same order
+        Route(2, "fused", _MMA_TILE(block_k=512, split_k=16, words=4, stage_x=False, fold=True, unroll=4, stream=True),
+              min_weight=56 * _M, min_in=14336),
         Route(4, "fused", _MMA_TILE(split_k=16, words=4, stage_x=False, fold=True, unroll=4, stream=True),
               min_weight=56 * _M, min_in=14336),
         Route(8, "fused", _MMA_TILE(split_k=16, words=4, fold=True, stream=True), min_weight=56 * _M, min_in=14336),
@@ -660,6 +669,8 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
                                   or config.num_warps != config.kwarps):
             raise ValueError(f"{config}: K slices across warps need split_k 1, x unstaged, a warp a slice and "
                              f"{config.kwarps} slices of whole {config.block_k}-column steps (K = {k})")
+        if config.accumulators not in (1, 2) or (config.accumulators > 1 and config.kwarps == 1):
+            raise ValueError(f"{config}: 1 accumulator, or 2 with K slices across warps")
         kernel_fn, constexprs = mma_kernel(config, steps, split_k, fold, len(weights))
         options.update(constexprs)
     else:
@@ -692,6 +703,7 @@ def mma_kernel(config, steps, split_k, fold, members):
         per_warp = steps // config.kwarps
         return mma.nf4_mma_kwarps_kernel, dict(
             STEPS_PER_WARP=per_warp, UNROLL=unroll_taken(per_warp, config.unroll), MEMBERS=members, WORDS_POLICY=policy,
+            ACCUMULATORS=config.accumulators,
             **mma.kwarps_constexprs(config.kwarps, config.block_n, config.block_k, config.block_m, config.words))
     return mma.nf4_mma_kernel, dict(
         SPLIT_K=split_k, STEPS_PER_SPLIT=steps // split_k, FOLD=fold, STAGE_X=config.stage_x, PREFETCH=config.prefetch,

@@ -468,6 +468,7 @@ if AVAILABLE:
         WORDS: gl.constexpr,  # words of a row each thread holds a chunk: 2 or 4
         UNROLL: gl.constexpr,  # steps in one unrolled loop body (a divisor of STEPS_PER_WARP)
         WORDS_POLICY: gl.constexpr,  # as nf4_mma_kernel's
+        ACCUMULATORS: gl.constexpr,  # 1, or 2: a body's odd steps summed apart from its even ones, added at the end
         MEMBERS: gl.constexpr,  # weights in this launch, 1 to 3 (no bias where more than 1)
         W_LAYOUT: gl.constexpr,  # kwarps_layouts(...)[0]
         X_LAYOUT: gl.constexpr,  # kwarps_layouts(...)[1]
@@ -511,6 +512,7 @@ if AVAILABLE:
         else:
             offset = 0.0  # unread
         acc = gl.zeros([KWARPS, BLOCK_N, BLOCK_M], gl.float32, MMA)
+        acc_odd = gl.zeros([KWARPS, BLOCK_N, BLOCK_M], gl.float32, MMA)  # ACCUMULATORS == 2: the odd steps' sums
         for outer in range(STEPS_PER_WARP // UNROLL):
             for inner in gl.static_range(UNROLL):
                 k0 = (outer * UNROLL + inner) * BLOCK_K
@@ -522,7 +524,12 @@ if AVAILABLE:
                 x = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
                 b = gl.convert_layout(gl.permute(_batched_mma_order(x, KWARPS, BLOCK_M, BLOCK_K, WORDS), [0, 2, 1]),
                                       gl.DotOperandLayout(1, MMA, 2), assert_trivial=True)
-                acc = mma_v2(a, b, acc)
+                if ACCUMULATORS == 2 and inner % 2 == 1:  # two chains of dependent mma.sync, not one
+                    acc_odd = mma_v2(a, b, acc_odd)
+                else:
+                    acc = mma_v2(a, b, acc)
+        if ACCUMULATORS == 2:
+            acc += acc_odd
         total = gl.sum(acc, axis=0)  # the slices' sums, through shared memory
         OUT: gl.constexpr = gl.SliceLayout(0, MMA)
         n = gl.expand_dims(pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT)), 1)

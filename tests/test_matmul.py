@@ -210,6 +210,18 @@ def test_linear_by_route_checks_its_call(case):
         matmul.linear_by_route(x, packed, state, bias, route)
 
 
+@pytest.mark.parametrize("config", [C(8, 64, 256, 1, True, 4, mma=True, words=4, stage_x=False, accumulators=2),
+                                    C(8, 16, 128, 1, True, 4, mma=True, words=4, stage_x=False, kwarps=4, accumulators=3)],
+                         ids=str)
+def test_launch_refuses_accumulators_without_k_slices(config):
+    """Two accumulators are the K-slice kernel's: a tile without K slices, or another count, is refused, not launched
+    as if it had one."""
+    packed, state = quantize((16, 1024), dtype=torch.float16, device=DEVICE, seed=1)
+    x = torch.randn(1, 1024).half().to(DEVICE)
+    with pytest.raises(ValueError, match="1 accumulator, or 2 with K slices across warps"):
+        launch(x, packed, state, config)
+
+
 @pytest.mark.parametrize("bias_form", ["strided", "expanded"])
 def test_nf4_linear_reads_a_strided_bias(bias_form):
     """A bias view with a stride other than one is added element by element, not read as contiguous."""
@@ -304,6 +316,7 @@ def test_routes_are_well_formed():
                 assert config.block_n % (16 * (1 if config.kwarps > 1 else config.num_warps)) == 0
                 assert config.kwarps == 1 or (config.num_warps == config.kwarps and config.split_k == 1
                                               and not config.stage_x and not config.wgmma)
+                assert config.accumulators == 1 or (config.accumulators == 2 and config.kwarps > 1)
                 assert not config.wgmma or (config.num_warps % 4 == 0 and config.block_m <= 256)
             else:
                 assert config.block_m >= 16 if config.dot else config.block_m == 1
@@ -327,7 +340,10 @@ def test_routes_are_well_formed():
     # columns on 4096x14336 and gate|up merged, 256 at two rows of gate|up; 8 warps of 128 on 4096x4096
     wide = route((9, 0), 1, 4096, 14336).config
     assert wide.kwarps == 4 and wide == route((9, 0), 2, 4096, 14336).config._replace(stream=True)
-    assert wide == route((9, 0), 1, 4096, 28672).config and route((9, 0), 2, 4096, 28672).config == wide._replace(block_k=256)
+    assert route((9, 0), 1, 4096, 28672).config == wide._replace(accumulators=2)  # gate|up merged, one row (item 103)
+    assert route((9, 0), 2, 4096, 28672).config == wide._replace(block_k=256)
+    assert [route((9, 0), m, shape[0], shape[1]).config.accumulators for m, shape in (
+        (1, (4096, 14336)), (2, (4096, 28672)), (1, (4096, 6144)), (1, (4096, 4096)))] == [1, 1, 1, 1]
     # the words streamed where it won (item 101): folded or read-back sums, not the one-row K slices of q|k|v or 4096x4096
     assert all(route((9, 0), m, 14336, 4096).config.stream for m in (1, 4, 8, 16))
     assert all(route((9, 0), m, 4096, 28672).config.stream for m in (1, 2, 4, 8, 16))
@@ -342,6 +358,7 @@ def test_routes_are_well_formed():
     assert route((9, 0), 1, 4352, 14336).config == route((9, 0), 3, 4096, 14336).config  # 512 columns do not divide K
     assert route((9, 0), 1, 3584, 18944).config == route((9, 0), 3, 4096, 14336).config  # measured from K = 4096 only
     assert [route((9, 0), m, 14336, 4096).config.unroll for m in (1, 4, 8)] == [4, 4, 1]
+    assert [route((9, 0), m, 14336, 4096).config.block_k for m in (1, 2, 3)] == [512, 512, 256]  # item 103
     assert route((9, 0), 1, 28672, 8192).config == route((9, 0), 1, 28416, 8192).config._replace(block_k=512, unroll=4)
     assert route((9, 0), 1, 4096, 1024).config.num_warps == 8 and route((9, 0), 8, 4096, 1024).config.num_warps == 4
     # q|k|v merged from 24M weights, 4096 inputs and 6144 outputs: K slices at 1 and 2 rows (item 99), else 512
@@ -465,7 +482,7 @@ def test_gpu_every_h100_route_within_bound(dtype):
 # mma.py's tiles: (block_m, block_n, block_k, split_k, num_warps); one to four repeats of 16 rows a warp, 2 or 4
 # words a thread and chunk, x staged in shared memory or read by each warp, the split-K sum in a second kernel or
 # folded into the first; K slices across a program's warps (kwarps: one or two repeats, 2 or 4 words, 2 to 8 warps);
-# the words evict-first (stream) in each kernel.
+# the words evict-first (stream) in each kernel; two accumulators in the K-slice kernel.
 MMA_CONFIGS = [C(8, 64, 64, 1, True, 4, mma=True), C(16, 128, 128, 2, True, 4, mma=True),
                C(8, 128, 256, 4, True, 8, mma=True), C(64, 128, 64, 1, True, 2, mma=True),
                C(8, 64, 256, 2, True, 4, mma=True, words=4), C(16, 64, 128, 1, True, 4, mma=True, words=4),
@@ -480,7 +497,8 @@ MMA_CONFIGS = [C(8, 64, 64, 1, True, 4, mma=True), C(16, 128, 128, 2, True, 4, m
                C(16, 32, 64, 1, True, 2, mma=True, stage_x=False, kwarps=2),
                C(8, 16, 512, 1, True, 8, mma=True, words=4, stage_x=False, unroll=4, kwarps=8),
                C(8, 64, 128, 2, True, 4, mma=True, words=4, stage_x=False, fold=True, stream=True),
-               C(8, 16, 256, 1, True, 4, mma=True, words=4, stage_x=False, unroll=4, kwarps=4, stream=True)]
+               C(8, 16, 256, 1, True, 4, mma=True, words=4, stage_x=False, unroll=4, kwarps=4, stream=True),
+               C(8, 16, 128, 1, True, 4, mma=True, words=4, stage_x=False, unroll=2, kwarps=4, accumulators=2)]
 
 
 @pytest.mark.gpu
