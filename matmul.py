@@ -296,15 +296,15 @@ class MatmulConfig(typing.NamedTuple):
     stream: bool = False  # mma.py: the weight's words loaded evict-first in L1 and L2; where sums are folded or read
     # back 0.4 to 1.8 us less (19.7 -> 18.9 us at one row of 14336x4096), at q|k|v's one-row K slices 0.6 more: routed
     # where it won (item 101)
-    accumulators: int = 1  # mma.py's K slices (kwarps > 1): a warp's unrolled steps summed into 1 or 2 accumulators in
-    # turn, added at the end: 33.4 -> 33.1 us at one row of gate|up merged, slower elsewhere (items 102, 103)
+    accumulators: int = 1  # mma.py's K slices (kwarps > 1): 2 sums each unrolled loop body's odd steps apart from its
+    # even ones, added at the end: 33.4 -> 33.1 us at one row of gate|up merged, slower elsewhere (items 102, 103)
 
 
 class Route(typing.NamedTuple):
     """How ``nf4_linear`` computes up to ``max_rows`` rows of x against a weight of at least
-    ``min_weight`` elements, ``min_in`` input and ``min_out`` output features: "fused" (with
-    ``config``), "dequantize" (dequantize_nf4 + cuBLAS) or "bitsandbytes" (its own 4-bit matmul:
-    its GEMV at one row, its fused kernel for a few)."""
+    ``min_weight`` elements, ``min_in`` to ``max_in`` input and at least ``min_out`` output features:
+    "fused" (with ``config``), "dequantize" (dequantize_nf4 + cuBLAS) or "bitsandbytes" (its own 4-bit
+    matmul: its GEMV at one row, its fused kernel for a few)."""
 
     max_rows: int
     path: str
@@ -312,6 +312,7 @@ class Route(typing.NamedTuple):
     min_weight: int = 0
     min_in: int = 0
     min_out: int = 0
+    max_in: int = 2**62
 
 
 C = MatmulConfig
@@ -397,9 +398,10 @@ MATMUL_ROUTES = {
         # the words streamed (item 101; H100 / H200): 19.7 -> 18.9 / 19.7 -> 18.9 at one row, 20.7 -> 19.8 / 20.5 -> 20.0
         # at two, 22.7 -> 22.1 at 4, 24.8 -> 24.0 / 24.4 -> 23.9 at 8
         # 512 columns a step at 1 and 2 rows (item 103; H200, bf16 / fp16): 18.82 -> 18.70 / 18.81 -> 18.61 us at one row,
-        # 20.08 -> 19.86 / 20.03 -> 19.82 at two; at K = 14336 each split sums the same 1024 columns in the same order
+        # 20.08 -> 19.86 / 20.03 -> 19.82 at two, each of 14 splits summing the same 1024 columns in the same order. At
+        # K = 14336 alone, where it was measured: elsewhere 512 columns can halve the split (18944: 1 against 2)
         Route(2, "fused", _MMA_TILE(block_k=512, split_k=16, words=4, stage_x=False, fold=True, unroll=4, stream=True),
-              min_weight=56 * _M, min_in=14336),
+              min_weight=56 * _M, min_in=14336, max_in=14336),
         Route(4, "fused", _MMA_TILE(split_k=16, words=4, stage_x=False, fold=True, unroll=4, stream=True),
               min_weight=56 * _M, min_in=14336),
         Route(8, "fused", _MMA_TILE(split_k=16, words=4, fold=True, stream=True), min_weight=56 * _M, min_in=14336),
@@ -500,8 +502,8 @@ def choose_route(capability, rows, in_features, out_features, routes=None):
     ``capability``, from ``routes`` (``routes_for``): a pure function of the five. A route of more than
     256 columns a step, or of K slices across warps, is passed over where its columns do not divide K."""
     for route in routes_for(capability, routes):
-        if (rows <= route.max_rows and in_features * out_features >= route.min_weight and in_features >= route.min_in
-                and out_features >= route.min_out
+        if (rows <= route.max_rows and in_features * out_features >= route.min_weight
+                and route.min_in <= in_features <= route.max_in and out_features >= route.min_out
                 and (route.config is None or (route.config.block_k <= 256 and route.config.kwarps == 1)
                      or in_features % (route.config.block_k * route.config.kwarps) == 0)):
             return route
@@ -608,6 +610,8 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
     ``members``: (packed, tables, out) of up to two more weights of the same format read by the same x
     (mma.py, no bias, their rows after this weight's, ``n`` the rows of all): one launch where its
     split-K sum folds, else one launch each."""
+    if config.accumulators != 1 and not (config.accumulators == 2 and config.mma and config.kwarps > 1):
+        raise ValueError(f"{config}: 1 accumulator, or 2 with K slices across warps")
     absmax, code, absmax2, code2, offset = tables
     if packed.data_ptr() % 4:
         packed = packed.clone()  # int32 word loads need 4-byte alignment; a fresh allocation has it
@@ -669,8 +673,6 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
                                   or config.num_warps != config.kwarps):
             raise ValueError(f"{config}: K slices across warps need split_k 1, x unstaged, a warp a slice and "
                              f"{config.kwarps} slices of whole {config.block_k}-column steps (K = {k})")
-        if config.accumulators not in (1, 2) or (config.accumulators > 1 and config.kwarps == 1):
-            raise ValueError(f"{config}: 1 accumulator, or 2 with K slices across warps")
         kernel_fn, constexprs = mma_kernel(config, steps, split_k, fold, len(weights))
         options.update(constexprs)
     else:

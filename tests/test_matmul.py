@@ -211,7 +211,8 @@ def test_linear_by_route_checks_its_call(case):
 
 
 @pytest.mark.parametrize("config", [C(8, 64, 256, 1, True, 4, mma=True, words=4, stage_x=False, accumulators=2),
-                                    C(8, 16, 128, 1, True, 4, mma=True, words=4, stage_x=False, kwarps=4, accumulators=3)],
+                                    C(8, 16, 128, 1, True, 4, mma=True, words=4, stage_x=False, kwarps=4, accumulators=3),
+                                    C(16, 32, 256, 4, True, 4, 2, 1, accumulators=2)],
                          ids=str)
 def test_launch_refuses_accumulators_without_k_slices(config):
     """Two accumulators are the K-slice kernel's: a tile without K slices, or another count, is refused, not launched
@@ -220,6 +221,15 @@ def test_launch_refuses_accumulators_without_k_slices(config):
     x = torch.randn(1, 1024).half().to(DEVICE)
     with pytest.raises(ValueError, match="1 accumulator, or 2 with K slices across warps"):
         launch(x, packed, state, config)
+
+
+@pytest.mark.skipif(not mma.AVAILABLE, reason="mma.py's kernels need Gluon (Triton 3.6 on)")
+def test_accumulators_reach_the_kernel():
+    """gate|up merged's one-row route launches the K-slice kernel with two accumulators, the others with one."""
+    for shape, count in (((4096, 28672), 2), ((4096, 14336), 1)):
+        config = matmul.choose_route((9, 0), 1, *shape).config
+        kernel_fn, constexprs = matmul.mma_kernel(config, shape[0] // config.block_k, 1, False, 2)
+        assert kernel_fn is mma.nf4_mma_kwarps_kernel and constexprs["ACCUMULATORS"] == count
 
 
 @pytest.mark.parametrize("bias_form", ["strided", "expanded"])
@@ -316,10 +326,10 @@ def test_routes_are_well_formed():
                 assert config.block_n % (16 * (1 if config.kwarps > 1 else config.num_warps)) == 0
                 assert config.kwarps == 1 or (config.num_warps == config.kwarps and config.split_k == 1
                                               and not config.stage_x and not config.wgmma)
-                assert config.accumulators == 1 or (config.accumulators == 2 and config.kwarps > 1)
                 assert not config.wgmma or (config.num_warps % 4 == 0 and config.block_m <= 256)
             else:
                 assert config.block_m >= 16 if config.dot else config.block_m == 1
+            assert config.accumulators == 1 or (config.accumulators == 2 and config.mma and config.kwarps > 1)
             assert config.block_k % 8 == 0 and config.split_k >= 1
             assert not config.fold or (config.mma and config.split_k > 1)
     for routes in matmul.TL_ROUTES.values():  # the table for where mma.py's kernel cannot run
@@ -359,6 +369,7 @@ def test_routes_are_well_formed():
     assert route((9, 0), 1, 3584, 18944).config == route((9, 0), 3, 4096, 14336).config  # measured from K = 4096 only
     assert [route((9, 0), m, 14336, 4096).config.unroll for m in (1, 4, 8)] == [4, 4, 1]
     assert [route((9, 0), m, 14336, 4096).config.block_k for m in (1, 2, 3)] == [512, 512, 256]  # item 103
+    assert route((9, 0), 1, 18944, 3584).config.block_k == 256  # there 512 columns would halve the split
     assert route((9, 0), 1, 28672, 8192).config == route((9, 0), 1, 28416, 8192).config._replace(block_k=512, unroll=4)
     assert route((9, 0), 1, 4096, 1024).config.num_warps == 8 and route((9, 0), 8, 4096, 1024).config.num_warps == 4
     # q|k|v merged from 24M weights, 4096 inputs and 6144 outputs: K slices at 1 and 2 rows (item 99), else 512
