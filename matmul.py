@@ -610,8 +610,6 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
     ``members``: (packed, tables, out) of up to two more weights of the same format read by the same x
     (mma.py, no bias, their rows after this weight's, ``n`` the rows of all): one launch where its
     split-K sum folds, else one launch each."""
-    if config.accumulators != 1 and not (config.accumulators == 2 and config.mma and config.kwarps > 1):
-        raise ValueError(f"{config}: 1 accumulator, or 2 with K slices across warps")
     absmax, code, absmax2, code2, offset = tables
     if packed.data_ptr() % 4:
         packed = packed.clone()  # int32 word loads need 4-byte alignment; a fresh allocation has it
@@ -657,6 +655,9 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
             if reduce is not None:
                 reduce(stream, partials.data_ptr(), out.data_ptr())
             return out
+    # a launch not replayed (a replayed one's config, in its key, was checked when it was first made)
+    if config.accumulators != 1 and not (config.accumulators == 2 and config.mma and config.kwarps > 1):
+        raise ValueError(f"{config}: 1 accumulator, or 2 with K slices across warps")
     head = (x2d, packed, absmax, code, absmax2, code2, offset, bias if bias is not None else out, target)
     options = dict(BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, FP4=fp4, X_DTYPE=x_dtype,
                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
