@@ -39,8 +39,8 @@ import weakref
 import torch
 import triton
 
-__all__ = ["INTERPRET", "ENABLED", "jit", "sum_combine", "interpret", "device_facts", "launch_hooks_active", "kernel_launcher",
-           "interpreter_launcher", "can_watch", "LaunchPlan", "PlanCache"]
+__all__ = ["INTERPRET", "ENABLED", "jit", "sum_combine", "interpret", "device_facts", "peak_dram_gbps",
+           "launch_hooks_active", "kernel_launcher", "interpreter_launcher", "can_watch", "LaunchPlan", "PlanCache"]
 
 # Without CUDA, CPU tensors through Triton's interpreter, chosen here for the project's kernels
 # alone: TRITON_INTERPRET is read, never set, so other Triton code in the process is left as the
@@ -79,19 +79,28 @@ def interpret(kernel, grid, args, options):
 _DEVICE_FACTS = {}
 
 
+def peak_dram_gbps(properties):
+    """A device's peak DRAM bandwidth in GB/s from its properties (double data rate: two transfers a memory
+    clock over the bus); 0 where this torch does not report them."""
+    clock_khz = getattr(properties, "memory_clock_rate", 0)
+    bus_bits = getattr(properties, "memory_bus_width", 0)
+    return 2 * clock_khz * 1000 * (bus_bits // 8) // 10**9
+
+
 def device_facts(device=None):
-    """(compute capability, L2 bytes) of a CUDA device (default: the current one); ((0, 0), 0)
-    without one."""
+    """(compute capability, L2 bytes, peak DRAM GB/s) of a CUDA device (default: the current one);
+    ((0, 0), 0, 0) without one."""
     if device is not None and device.index is not None:  # a call's own device: one lookup (every fused call)
         facts = _DEVICE_FACTS.get(device.index)
         if facts is not None:
             return facts
     if INTERPRET or not torch.cuda.is_available():
-        return (0, 0), 0
+        return (0, 0), 0, 0
     index = torch.cuda.current_device() if device is None or device.index is None else device.index
     if index not in _DEVICE_FACTS:
         properties = torch.cuda.get_device_properties(index)
-        _DEVICE_FACTS[index] = (properties.major, properties.minor), properties.L2_cache_size
+        _DEVICE_FACTS[index] = ((properties.major, properties.minor), properties.L2_cache_size,
+                                peak_dram_gbps(properties))
     return _DEVICE_FACTS[index]
 
 

@@ -42,7 +42,7 @@ from fastpath import INTERPRET, device_facts, jit
 from quantstate import OUTPUT_DTYPES, require
 
 __all__ = ["dequantize_nf4", "your_dequantize_nf4", "build_plan", "validate_and_dequantize", "set_launch_config",
-           "launch_config", "kernel_variant", "choose_launch", "word_aligned", "device_facts", "LaunchConfig",
+           "launch_tiers", "launch_config", "kernel_variant", "choose_launch", "word_aligned", "device_facts", "LaunchConfig",
            "LaunchTier", "Launch", "KernelArgs", "PLANS", "INTERPRET", "OUTPUT_DTYPES", "TL_DTYPE",
            "dequantize_4bit_kernel", "mul_ftz", "add_rn", "lookup", "decode", "fp32_to_bf16_rne"]
 
@@ -261,18 +261,35 @@ LAUNCH_CONFIGS = {
     (7, 5): (LaunchTier(0, _SMALL),),
 }
 DEFAULT_LAUNCH_TIERS = (LaunchTier(0, _SMALL),)
+# GPUs whose DRAM peaks at FAST_DRAM_GBPS or more (device_facts) take these tiers of their capability. The H200
+# (4814 GB/s peak; the H100 SXM's datasheet: 3.35 TB/s) wants 2 warps from 48 MiB, likely for the bytes in flight:
+# 32 programs of 512 bytes an SM at 2 warps, 16 at 4 (64 warps an SM). GPU time, 7 interleaved rounds (NOTES.md,
+# item 104): 145.6 against 159.7 us at 28672x8192 bf16, 74.6 against 79.8 at 14336x8192 fp16 (Unsloth's fused
+# 150.6 and 76.4); below 48 MiB the H100's 2048/4 was within 0.5 us of the best at 6 of 8 weights, 1.4 to 1.6
+# behind (its p20 level) at the others.
+FAST_DRAM_GBPS = 4400
+FAST_DRAM_LAUNCH_CONFIGS = {
+    (9, 0): LAUNCH_CONFIGS[(9, 0)][:-1] + (LaunchTier(48 * MiB, LaunchConfig(512, 2, True), fallback=_MID_GLOBAL),),
+}
 # Triton 3.3.1's compiler aborts on the shared-memory gathers (an assertion in
 # OptimizeThreadLocality); from 3.4 they compile and run bit-exact on the GPU (README, Triton versions).
 TRITON_COMPILES_SHARED_TABLES = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 4)
 _launch_override = None
 
 
-def launch_config(capability, n_bytes=0):
-    """The LaunchConfig for a packed weight of ``n_bytes`` on a GPU of ``capability``:
-    set_launch_config's choice, else the tier that size reaches."""
+def launch_tiers(capability, dram_gbps=0):
+    """The launch tiers of a GPU of ``capability`` whose DRAM peaks at ``dram_gbps`` (``device_facts``)."""
+    if dram_gbps >= FAST_DRAM_GBPS and tuple(capability) in FAST_DRAM_LAUNCH_CONFIGS:
+        return FAST_DRAM_LAUNCH_CONFIGS[tuple(capability)]
+    return LAUNCH_CONFIGS.get(tuple(capability), DEFAULT_LAUNCH_TIERS)
+
+
+def launch_config(capability, n_bytes=0, dram_gbps=0):
+    """The LaunchConfig for a packed weight of ``n_bytes`` on a GPU of ``capability`` whose DRAM peaks
+    at ``dram_gbps``: set_launch_config's choice, else the tier that size reaches."""
     if _launch_override is not None:
         return _launch_override
-    tiers = LAUNCH_CONFIGS.get(tuple(capability), DEFAULT_LAUNCH_TIERS)
+    tiers = launch_tiers(capability, dram_gbps)
     tier = next(tier for tier in reversed(tiers) if n_bytes >= tier.smallest_bytes)
     return tier.config if TRITON_COMPILES_SHARED_TABLES or not tier.config.shared_tables else tier.fallback
 
@@ -283,14 +300,15 @@ def launch_config(capability, n_bytes=0):
 STREAM_STORES_L2_MULTIPLE = 4
 
 
-def kernel_variant(out_dtype, *, nested, capability, l2_bytes, fp4=False, blocksize=64, blocksize2=256, n_elements=0,
-                   word_aligned=True, use_asm=None, bf16_via_int=None, bytes_per_program=None, eviction_hints=True,
-                   shared_tables=None):
+def kernel_variant(out_dtype, *, nested, capability, l2_bytes, dram_gbps=0, fp4=False, blocksize=64, blocksize2=256,
+                   n_elements=0, word_aligned=True, use_asm=None, bf16_via_int=None, bytes_per_program=None,
+                   eviction_hints=True, shared_tables=None):
     """The constexpr arguments of one kernel variant, from the weight and the device's facts
     (``device_facts``; the AOT compile test passes other GPUs'). ``word_aligned``: the packed bytes
     start on a 4-byte boundary. A pure function but for ``set_launch_config``'s override."""
     if bytes_per_program is None or shared_tables is None:
-        tier_bytes_per_program, _, tier_shared_tables = launch_config(capability, (n_elements + 1) // 2)
+        tier_bytes_per_program, _, tier_shared_tables = launch_config(capability, (n_elements + 1) // 2,
+                                                                          dram_gbps)
         bytes_per_program = tier_bytes_per_program if bytes_per_program is None else bytes_per_program
         shared_tables = tier_shared_tables if shared_tables is None else shared_tables
     if use_asm is None:
@@ -343,13 +361,13 @@ def choose_launch(packed, dtype, n_elements, *, blocksize, blocksize2, nested, f
     """The Launch for a packed weight on its device (``overrides``: constexprs and ``num_warps``
     forced by tests and sweeps)."""
     overrides = dict(overrides or {})
-    capability, l2_bytes = device_facts(packed.device)
+    capability, l2_bytes, dram_gbps = device_facts(packed.device)
     n_bytes = (n_elements + 1) // 2
-    config = launch_config(capability, n_bytes)
+    config = launch_config(capability, n_bytes, dram_gbps)
     num_warps = overrides.pop("num_warps", config.num_warps)
     constexprs = kernel_variant(dtype, nested=nested, fp4=fp4, blocksize=blocksize, blocksize2=blocksize2,
                                 n_elements=n_elements, word_aligned=word_aligned(packed), capability=capability,
-                                l2_bytes=l2_bytes,
+                                l2_bytes=l2_bytes, dram_gbps=dram_gbps,
                                 bytes_per_program=overrides.pop("BYTES_PER_PROGRAM", config.bytes_per_program),
                                 shared_tables=overrides.pop("SHARED_TABLES", config.shared_tables))
     constexprs.update(overrides)

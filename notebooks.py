@@ -192,10 +192,11 @@ Its source, as it runs:"""),
     ("code", "kernel-source", r"""import inspect
 print(inspect.getsource(kernel.dequantize_4bit_kernel.fn))"""),
     ("markdown", "design", r"""**Design.**
-- *Tiling.* A program takes `BYTES_PER_PROGRAM` packed bytes (by packed size: the launch tiers
-  printed below, `LAUNCH_CONFIGS` in `kernel.py`, measured on the H100) as a ROWS x COLS tile whose
-  rows each lie inside one 64-element block, so the scale is decoded once per row (one absmax byte,
-  one `code2` gather, one `absmax2`) and broadcast along it.
+- *Tiling.* A program takes `BYTES_PER_PROGRAM` packed bytes (by packed size, the launch tiers
+  printed below: `LAUNCH_CONFIGS` in `kernel.py`, measured on the H100, and from 48 MiB on GPUs
+  with the H200's DRAM bandwidth `FAST_DRAM_LAUNCH_CONFIGS`) as a ROWS x COLS tile whose rows each
+  lie inside one 64-element block, so the scale is decoded once per row (one absmax byte, one
+  `code2` gather, one `absmax2`) and broadcast along it.
 - *Loads.* The packed bytes are read as int32 words where the weight allows it (4-byte aligned,
   a byte count divisible by 4: every real layer); shifts by `8 * (e // 2) + 4 * (1 - e % 2)`
   lay a word's eight codes out in output order, so no interleaving shuffle is needed. Other
@@ -218,11 +219,10 @@ print(inspect.getsource(kernel.dequantize_4bit_kernel.fn))"""),
   plan* (compiled kernel, grid, the tables' addresses); later calls with the same state check the
   address, dtype and size of every table the launch reads (`quantstate.py`) and call Triton's C
   launch function directly (`fastpath.py`). The output is the only allocation."""),
-    ("code", "launch-choice", r"""device_capability, l2_bytes = kernel.device_facts()  # ((0, 0), 0) without a GPU
-variant = kernel.kernel_variant(DTYPE, nested=True, capability=device_capability, l2_bytes=l2_bytes)
+    ("code", "launch-choice", r"""device_capability, l2_bytes, dram_gbps = kernel.device_facts()  # ((0, 0), 0, 0) without a GPU
+variant = kernel.kernel_variant(DTYPE, nested=True, capability=device_capability, l2_bytes=l2_bytes, dram_gbps=dram_gbps)
 print("constexprs for this GPU:", variant)
-print("launch tiers:",
-      kernel.LAUNCH_CONFIGS.get(tuple(capability or (0, 0)), kernel.DEFAULT_LAUNCH_TIERS))
+print(f"launch tiers (DRAM peak {dram_gbps} GB/s):", kernel.launch_tiers(device_capability, dram_gbps))
 if DTYPE == torch.bfloat16:
     print("bf16 rounding:", "integer round-to-nearest-even (no native fp32->bf16 here)" if variant["BF16_VIA_INT"]
           else "native cvt.rn.bf16.f32")"""),
@@ -291,7 +291,7 @@ else:
     best, label, slowdown = bench_sweep.best_launch_config(sweep)
     kernel.set_launch_config(*best)
     print(f"best: {label} (geometric-mean slowdown {slowdown:.3f} vs each shape's best); "
-          f"default {kernel.LAUNCH_CONFIGS.get(tuple(capability), kernel.DEFAULT_LAUNCH_TIERS)}")
+          f"default {kernel.launch_tiers(device_capability, dram_gbps)}")
     display(Image(bench_plots.plot(RESULTS)[-1]))"""),
     ("markdown", "matmul-intro", r"""## 7. The fused matmul
 `matmul.py` computes `x @ W.T` straight from bitsandbytes' packed NF4 bytes and absmax: each program

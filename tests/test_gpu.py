@@ -35,8 +35,8 @@ def test_every_variant(shape, dtype, bf16_via_int, nested, quant_type, use_asm, 
     assert_bit_exact(got, bnb_dequantize(packed, state))
 
 
-# (bytes per program, warps): the small-weight tile, and the H100's two shared-codebook tiles.
-SHARED_TILES = [(1024, 4), (2048, 2), (512, 4)]
+# (bytes per program, warps): the small-weight tile, the H100's shared-codebook tiles, and the H200's from 48 MiB.
+SHARED_TILES = [(1024, 4), (2048, 2), (512, 4), (512, 2)]
 # (shape, byte loads forced): odd (read byte by byte), even (int32 words), even read byte by byte.
 LAYOUTS = [((17, 129), False), ((1024, 4096 + 64), False), ((1024, 4096 + 64), True)]
 
@@ -47,8 +47,8 @@ LAYOUTS = [((17, 129), False), ((1024, 4096 + 64), False), ((1024, 4096 + 64), T
 @pytest.mark.parametrize("shape,byte_loads", LAYOUTS, ids=lambda v: {True: "byte-loads", False: "auto-loads"}.get(v, str(v)))
 @pytest.mark.parametrize("tile", SHARED_TILES, ids=lambda tile: f"{tile[0]}-{tile[1]}")
 def test_shared_tables(tile, shape, byte_loads, dtype, nested, quant_type):
-    """The codebooks looked up in shared memory (the H100's choice from 2.25 to 17 MiB and from 48 MiB
-    of packed weight) give bitsandbytes' bits with every tile, layout, dtype and format."""
+    """The codebooks looked up in shared memory (sm_90's choice from 2.25 to 17 MiB and from 48 MiB of packed
+    weight) give bitsandbytes' bits with every tile, layout, dtype and format."""
     if not kernel.TRITON_COMPILES_SHARED_TABLES:
         pytest.skip("this Triton cannot compile the shared-memory lookup")
     packed, state = quantize(shape, dtype=dtype, nested=nested, quant_type=quant_type, device="cuda", seed=tile[0])
@@ -58,13 +58,17 @@ def test_shared_tables(tile, shape, byte_loads, dtype, nested, quant_type):
     assert_bit_exact(got, bnb_dequantize(packed, state))
 
 
-@pytest.mark.parametrize("smallest", sorted({tier.smallest_bytes for tier in kernel.LAUNCH_CONFIGS[(9, 0)]} - {0}))
+SM90_TIERS = kernel.LAUNCH_CONFIGS[(9, 0)] + kernel.FAST_DRAM_LAUNCH_CONFIGS[(9, 0)]
+
+
+@pytest.mark.parametrize("smallest", sorted({tier.smallest_bytes for tier in SM90_TIERS} - {0}))
 def test_every_tier_on_the_gpu(smallest):
-    """A weight at the smallest size of each H100 tier takes that tier's configuration (through its
-    plan too) and stays bit-exact."""
-    if torch.cuda.get_device_capability() != (9, 0):
+    """A weight at the smallest size of each of this GPU's tiers (the H100's, or the H200's where its DRAM is
+    as fast) takes that tier's configuration (through its plan too) and stays bit-exact."""
+    capability, _, dram_gbps = kernel.device_facts()
+    if capability != (9, 0):
         pytest.skip("the tiers are measured for sm_90")
-    config = kernel.launch_config((9, 0), smallest)
+    config = kernel.launch_config(capability, smallest, dram_gbps)
     packed, state = quantize((2 * smallest // 4096, 4096), dtype=torch.bfloat16, device="cuda", seed=smallest % 997)
     launch = kernel.choose_launch(packed, torch.bfloat16, 2 * smallest, blocksize=64, blocksize2=256, nested=True,
                                   fp4=False)

@@ -4,11 +4,14 @@ Small, odd shapes; the benchmark shapes live in the benchmark. Every case also c
 packed weight and the quant state are left untouched.
 """
 
+import types
+
 import pytest
 import torch
 import triton
 
 import bench_weights
+import fastpath
 import kernel
 from helpers import (
     assert_bit_exact,
@@ -244,3 +247,30 @@ def test_launch_config_tiers():
     assert kernel.launch_config((9, 0), 9 * mib // 4 - 1) == (1024, 4, False)
     assert kernel.launch_config((8, 9), 1 << 30) == (1024, 4, False)
     assert kernel.launch_config((12, 0), 1 << 30) == (1024, 4, False)
+
+
+def test_fast_dram_tiers():
+    """sm_90 with a DRAM peak of FAST_DRAM_GBPS or more (the H200) takes 2 warps from 48 MiB and the H100's tiers
+    below; a slower sm_90 (the H100), an unknown peak and other GPUs keep their own table."""
+    h200, h100 = 4814, 3352
+    assert kernel.launch_tiers((9, 0), h200) is kernel.FAST_DRAM_LAUNCH_CONFIGS[(9, 0)]
+    assert kernel.launch_tiers((9, 0), h100) is kernel.launch_tiers((9, 0)) is kernel.LAUNCH_CONFIGS[(9, 0)]
+    assert kernel.launch_tiers((8, 9), h200) is kernel.LAUNCH_CONFIGS[(8, 9)]
+    assert kernel.launch_tiers((10, 0), h200) is kernel.DEFAULT_LAUNCH_TIERS
+    largest = 48 * kernel.MiB
+    fast = kernel.LaunchConfig(512, 2, True) if kernel.TRITON_COMPILES_SHARED_TABLES else kernel.LaunchConfig(2048, 4, False)
+    assert kernel.launch_config((9, 0), largest, h200) == fast
+    assert kernel.launch_config((9, 0), largest, h100) == ((512, 4, True) if kernel.TRITON_COMPILES_SHARED_TABLES else fast)
+    for n_bytes in (0, 1 << 20, 8 << 20, 20 << 20, largest - 1):
+        assert kernel.launch_config((9, 0), n_bytes, h200) == kernel.launch_config((9, 0), n_bytes, h100)
+    variant = kernel.kernel_variant(torch.float16, nested=True, n_elements=2 * largest, capability=(9, 0),
+                                    l2_bytes=60 << 20, dram_gbps=h200)
+    assert (variant["BYTES_PER_PROGRAM"], variant["SHARED_TABLES"]) == (fast.bytes_per_program, fast.shared_tables)
+
+
+def test_peak_dram_gbps():
+    """Two transfers a memory clock over the bus: the H200's reported clock and bus give its 4.8 TB/s, the H100
+    SXM's datasheet figures (HBM3 at 2619 MHz, 5120 bits) its 3.35."""
+    assert fastpath.peak_dram_gbps(types.SimpleNamespace(memory_clock_rate=3_201_000, memory_bus_width=6016)) == 4814
+    assert fastpath.peak_dram_gbps(types.SimpleNamespace(memory_clock_rate=2_619_000, memory_bus_width=5120)) == 3352
+    assert fastpath.peak_dram_gbps(types.SimpleNamespace()) == 0  # a torch that does not report them
