@@ -249,11 +249,14 @@ def test_launch_config_tiers():
     assert kernel.launch_config((12, 0), 1 << 30) == (1024, 4, False)
 
 
-def test_fast_dram_tiers():
+def test_fast_dram_tiers(monkeypatch):
     """sm_90 with a DRAM peak of FAST_DRAM_GBPS or more (the H200) takes 2 warps from 48 MiB and the H100's tiers
-    below; a slower sm_90 (the H100), an unknown peak and other GPUs keep their own table."""
+    below; a slower sm_90 (the H100), an unknown peak and other GPUs keep their own table; a launch reads the
+    device's peak."""
     h200, h100 = 4814, 3352
     assert kernel.launch_tiers((9, 0), h200) is kernel.FAST_DRAM_LAUNCH_CONFIGS[(9, 0)]
+    assert kernel.launch_tiers((9, 0), kernel.FAST_DRAM_GBPS) is kernel.FAST_DRAM_LAUNCH_CONFIGS[(9, 0)]
+    assert kernel.launch_tiers((9, 0), kernel.FAST_DRAM_GBPS - 1) is kernel.LAUNCH_CONFIGS[(9, 0)]
     assert kernel.launch_tiers((9, 0), h100) is kernel.launch_tiers((9, 0)) is kernel.LAUNCH_CONFIGS[(9, 0)]
     assert kernel.launch_tiers((8, 9), h200) is kernel.LAUNCH_CONFIGS[(8, 9)]
     assert kernel.launch_tiers((10, 0), h200) is kernel.DEFAULT_LAUNCH_TIERS
@@ -263,9 +266,13 @@ def test_fast_dram_tiers():
     assert kernel.launch_config((9, 0), largest, h100) == ((512, 4, True) if kernel.TRITON_COMPILES_SHARED_TABLES else fast)
     for n_bytes in (0, 1 << 20, 8 << 20, 20 << 20, largest - 1):
         assert kernel.launch_config((9, 0), n_bytes, h200) == kernel.launch_config((9, 0), n_bytes, h100)
-    variant = kernel.kernel_variant(torch.float16, nested=True, n_elements=2 * largest, capability=(9, 0),
-                                    l2_bytes=60 << 20, dram_gbps=h200)
-    assert (variant["BYTES_PER_PROGRAM"], variant["SHARED_TABLES"]) == (fast.bytes_per_program, fast.shared_tables)
+    packed = torch.empty(largest, dtype=torch.uint8)  # never read: the launch is chosen, not made
+    for peak in (h200, h100):
+        monkeypatch.setattr(kernel, "device_facts", lambda device, peak=peak: ((9, 0), 60 << 20, peak))
+        launch = kernel.choose_launch(packed, torch.float16, 2 * largest, blocksize=64, blocksize2=256, nested=True,
+                                      fp4=False)
+        chosen = (launch.constexprs["BYTES_PER_PROGRAM"], launch.num_warps, launch.constexprs["SHARED_TABLES"])
+        assert chosen == kernel.launch_config((9, 0), largest, peak)
 
 
 def test_peak_dram_gbps():
