@@ -34,13 +34,14 @@ OUT_POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "
 def variants(capability):
     """Every combination the wrapper can launch on a GPU of this capability (word loads where the
     packed bytes allow them, byte loads elsewhere), one with the eviction hints off (the launch
-    sweep's other family), and the codebooks in shared memory (the H100's mid-size weights).
+    sweep's other family), the codebooks in shared memory (the H100's mid-size weights), and the H200's tier
+    from 48 MiB.
     Yields (out_dtype, nested, use_asm, use_int64, num_warps, constexprs),
     constexprs and warps chosen for the weight size as the wrapper chooses them."""
     def variant(out_dtype, nested, fp4=False, n_elements=0, use_asm=True, **changes):
         constexprs = kernel.kernel_variant(out_dtype, nested=nested, fp4=fp4, n_elements=n_elements, use_asm=use_asm,
                                            capability=capability, l2_bytes=L2_BYTES, **changes)
-        num_warps = kernel.launch_config(capability, (n_elements + 1) // 2)[1]
+        num_warps = kernel.launch_config(capability, (n_elements + 1) // 2, changes.get("dram_gbps", 0))[1]
         return out_dtype, nested, use_asm, constexprs["USE_INT64"], num_warps, constexprs
 
     for out_dtype, nested, fp4, use_asm, use_int64 in itertools.product(
@@ -55,6 +56,9 @@ def variants(capability):
     if kernel.TRITON_COMPILES_SHARED_TABLES:
         for out_dtype, nested, fp4 in itertools.product(kernel.OUTPUT_DTYPES, (True, False), (False, True)):
             yield variant(out_dtype, nested, fp4, n_elements=4096 * 2048, shared_tables=True)
+    if kernel.TRITON_COMPILES_SHARED_TABLES and capability in kernel.FAST_DRAM_LAUNCH_CONFIGS:
+        for out_dtype in kernel.OUTPUT_DTYPES:  # the H200's tier from 48 MiB: 512 bytes over 2 warps
+            yield variant(out_dtype, True, n_elements=2 * 48 * kernel.MiB, dram_gbps=kernel.FAST_DRAM_GBPS)
 
 
 def compile_variant(capability, out_dtype, nested, num_warps, constexprs):
