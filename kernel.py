@@ -262,14 +262,17 @@ LAUNCH_CONFIGS = {
 }
 DEFAULT_LAUNCH_TIERS = (LaunchTier(0, _SMALL),)
 # GPUs whose DRAM peaks at FAST_DRAM_GBPS or more (device_facts) take these tiers of their capability. The H200
-# (4814 GB/s peak; the H100 SXM's datasheet: 3.35 TB/s) wants 2 warps from 48 MiB, likely for the bytes in flight:
-# 32 programs of 512 bytes an SM at 2 warps, 16 at 4 (64 warps an SM). GPU time, 7 interleaved rounds (NOTES.md,
-# item 104): 145.6 against 159.7 us at 28672x8192 bf16, 74.6 against 79.8 at 14336x8192 fp16 (Unsloth's fused
-# 150.6 and 76.4); below 48 MiB the H100's 2048/4 was within 0.5 us of the best at 6 of 8 weights, 1.4 to 1.6
-# behind (its p20 level) at the others.
+# (4814 GB/s peak; the H100 SXM's datasheet: 3.35 TB/s) wants fewer warps a program from 17 MiB, likely for the bytes
+# in flight (32 programs an SM at 2 warps, 16 at 4). GPU time, 7 and 11 interleaved rounds (NOTES.md, items 104, 105):
 FAST_DRAM_GBPS = 4400
 FAST_DRAM_LAUNCH_CONFIGS = {
-    (9, 0): LAUNCH_CONFIGS[(9, 0)][:-1] + (LaunchTier(48 * MiB, LaunchConfig(512, 2, True), fallback=_MID_GLOBAL),),
+    (9, 0): LAUNCH_CONFIGS[(9, 0)][:-2] + (
+        # 23.54 against 24.10 us (2048/4 global) at 8704x4096 bf16, ahead at all 8 weights from 17 to 22 MiB
+        LaunchTier(17 * MiB, LaunchConfig(1024, 2, True), fallback=_MID_GLOBAL),
+        # 45.52 against 46.02 at 13824x5120 fp16; 145.60 against 159.65 (512/4) at 28672x8192 bf16, 74.66 against
+        # 79.78 at 14336x8192 fp16 (Unsloth's fused 150.61 and 76.38)
+        LaunchTier(33 * MiB, LaunchConfig(512, 2, True), fallback=_MID_GLOBAL),
+    ),
 }
 # Triton 3.3.1's compiler aborts on the shared-memory gathers (an assertion in
 # OptimizeThreadLocality); from 3.4 they compile and run bit-exact on the GPU (README, Triton versions).

@@ -193,7 +193,7 @@ Its source, as it runs:"""),
 print(inspect.getsource(kernel.dequantize_4bit_kernel.fn))"""),
     ("markdown", "design", r"""**Design.**
 - *Tiling.* A program takes `BYTES_PER_PROGRAM` packed bytes (by packed size, the launch tiers
-  printed below: `LAUNCH_CONFIGS` in `kernel.py`, measured on the H100, and from 48 MiB on GPUs
+  printed below: `LAUNCH_CONFIGS` in `kernel.py`, measured on the H100, and from 17 MiB on GPUs
   with the H200's DRAM bandwidth `FAST_DRAM_LAUNCH_CONFIGS`) as a ROWS x COLS tile whose rows each
   lie inside one 64-element block, so the scale is decoded once per row (one absmax byte, one
   `code2` gather, one `absmax2`) and broadcast along it.

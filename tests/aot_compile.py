@@ -34,8 +34,8 @@ OUT_POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "
 def variants(capability):
     """Every combination the wrapper can launch on a GPU of this capability (word loads where the
     packed bytes allow them, byte loads elsewhere), one with the eviction hints off (the launch
-    sweep's other family), the codebooks in shared memory (the H100's mid-size weights), and the H200's tier
-    from 48 MiB.
+    sweep's other family), the codebooks in shared memory (the H100's mid-size weights), and the H200's tiers
+    from 17 and 33 MiB.
     Yields (out_dtype, nested, use_asm, use_int64, num_warps, constexprs),
     constexprs and warps chosen for the weight size as the wrapper chooses them."""
     def variant(out_dtype, nested, fp4=False, n_elements=0, use_asm=True, **changes):
@@ -57,8 +57,9 @@ def variants(capability):
         for out_dtype, nested, fp4 in itertools.product(kernel.OUTPUT_DTYPES, (True, False), (False, True)):
             yield variant(out_dtype, nested, fp4, n_elements=4096 * 2048, shared_tables=True)
     if kernel.TRITON_COMPILES_SHARED_TABLES and capability in kernel.FAST_DRAM_LAUNCH_CONFIGS:
-        for out_dtype in kernel.OUTPUT_DTYPES:  # the H200's tier from 48 MiB: 512 bytes over 2 warps
-            yield variant(out_dtype, True, n_elements=2 * 48 * kernel.MiB, dram_gbps=kernel.FAST_DRAM_GBPS)
+        # the H200's tiers from 17 and 33 MiB: 1024 and 512 bytes over 2 warps
+        for out_dtype, mib in itertools.product(kernel.OUTPUT_DTYPES, (17, 33)):
+            yield variant(out_dtype, True, n_elements=2 * mib * kernel.MiB, dram_gbps=kernel.FAST_DRAM_GBPS)
 
 
 def compile_variant(capability, out_dtype, nested, num_warps, constexprs):

@@ -1,6 +1,9 @@
 """Shared test plumbing: quantized weights made by bitsandbytes, and the bit-exact check."""
 
 import copy
+import os
+import subprocess
+import sys
 import threading
 
 import torch
@@ -45,6 +48,16 @@ def linear4bit(shape, *, dtype=torch.bfloat16, device="cpu", bias=False, seed=30
         generator = torch.Generator().manual_seed(seed)
         layer.bias = torch.nn.Parameter(torch.randn(shape[0], generator=generator).to(dtype).to(device))
     return layer, packed, state
+
+
+def in_a_fresh_process(script):
+    """Runs ``script`` in a new Python process (nothing cached yet) with the project and tests/ importable;
+    fails with its output where it fails."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(filter(None, [os.path.dirname(tests), tests, os.environ.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, PYTHONPATH=path))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 
 def offset_copy(packed, start):

@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 import bench_compile
 import bench_weights
 import kernel
-from helpers import assert_bit_exact, offset_copy, quantize
+from helpers import assert_bit_exact, in_a_fresh_process, offset_copy, quantize
 
 
 def op_args(packed, state):
@@ -59,6 +59,23 @@ def test_entry_point_fullgraph(device):
     compiled = torch.compile(kernel.your_dequantize_nf4, fullgraph=True)
     assert_bit_exact(compiled(layer), kernel.your_dequantize_nf4(layer))
     assert not counters["graph_break"]
+
+
+@pytest.mark.gpu
+def test_first_call_compiled():
+    """A process's first call made inside torch.compile, the device's facts (the launch tier's inputs) not yet
+    cached while the body is traced: one graph, bitsandbytes' bits, at a size (24 MiB) whose tier reads the DRAM's
+    peak."""
+    in_a_fresh_process("""
+import torch
+from torch._dynamo.utils import counters
+import kernel
+from helpers import assert_bit_exact, bnb_dequantize, quantize
+packed, state = quantize((12288, 4096 + 64), dtype=torch.bfloat16, device="cuda", seed=6)
+result = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), fullgraph=True)(packed)
+assert not counters["graph_break"], counters["graph_break"]
+assert_bit_exact(result, bnb_dequantize(packed, state))
+""")
 
 
 def test_transposed_layout_compiles(device):

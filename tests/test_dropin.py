@@ -13,7 +13,16 @@ import dropin
 import fastpath
 import kernel
 import matmul
-from helpers import assert_bit_exact, assert_unchanged, bit_exact, expected_values, linear4bit, quantize, snapshot
+from helpers import (
+    assert_bit_exact,
+    assert_unchanged,
+    bit_exact,
+    expected_values,
+    in_a_fresh_process,
+    linear4bit,
+    quantize,
+    snapshot,
+)
 from reference import linear_error_bound, linear_reference
 
 DTYPES = [torch.float16, torch.bfloat16]
@@ -537,6 +546,27 @@ def test_gpu_a_bias_of_another_shape_is_named():
         assert dropin.fused_route(x, layer.weight.quant_state) is not None  # one row: the fused route
         with pytest.raises(ValueError, match=r"Linear4bit: bias must be a tensor of shape \(1024,\), got torch.Size\(\[7\]\)"):
             layer(x)
+
+
+@pytest.mark.gpu
+def test_first_call_compiled():
+    """A process's first routed call made inside torch.compile: the device's facts are not cached yet, so
+    Dynamo traces their lookup (the properties, the DRAM peak) in the forward; one graph, the eager call's bits,
+    the fused route's."""
+    in_a_fresh_process("""
+import torch
+from torch._dynamo.utils import counters
+import dropin
+from helpers import assert_bit_exact, linear4bit
+layer, packed, state = linear4bit((1024, 512), dtype=torch.bfloat16, device="cuda")
+x = torch.randn(1, 512, dtype=torch.bfloat16, device="cuda")
+dropin.enable(layer)
+with torch.no_grad():
+    compiled = torch.compile(layer, fullgraph=True)(x)
+    assert not counters["graph_break"], counters["graph_break"]
+    assert dropin.fused_route(x, state) is not None
+    assert_bit_exact(compiled, layer(x))
+""")
 
 
 @pytest.mark.gpu

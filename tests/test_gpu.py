@@ -35,8 +35,8 @@ def test_every_variant(shape, dtype, bf16_via_int, nested, quant_type, use_asm, 
     assert_bit_exact(got, bnb_dequantize(packed, state))
 
 
-# (bytes per program, warps): the small-weight tile, the H100's shared-codebook tiles, and the H200's from 48 MiB.
-SHARED_TILES = [(1024, 4), (2048, 2), (512, 4), (512, 2)]
+# (bytes per program, warps): the small-weight tile, the H100's shared-codebook tiles, and the H200's from 17 and 33 MiB.
+SHARED_TILES = [(1024, 4), (2048, 2), (512, 4), (512, 2), (1024, 2)]
 # (shape, byte loads forced): odd (read byte by byte), even (int32 words), even read byte by byte.
 LAYOUTS = [((17, 129), False), ((1024, 4096 + 64), False), ((1024, 4096 + 64), True)]
 
@@ -48,7 +48,7 @@ LAYOUTS = [((17, 129), False), ((1024, 4096 + 64), False), ((1024, 4096 + 64), T
 @pytest.mark.parametrize("tile", SHARED_TILES, ids=lambda tile: f"{tile[0]}-{tile[1]}")
 def test_shared_tables(tile, shape, byte_loads, dtype, nested, quant_type):
     """The codebooks looked up in shared memory (sm_90's choice from 2.25 to 17 MiB and from 48 MiB of packed
-    weight) give bitsandbytes' bits with every tile, layout, dtype and format."""
+    weight, the H200's from 17 MiB) give bitsandbytes' bits with every tile, layout, dtype and format."""
     if not kernel.TRITON_COMPILES_SHARED_TABLES:
         pytest.skip("this Triton cannot compile the shared-memory lookup")
     packed, state = quantize(shape, dtype=dtype, nested=nested, quant_type=quant_type, device="cuda", seed=tile[0])

@@ -250,9 +250,9 @@ def test_launch_config_tiers():
 
 
 def test_fast_dram_tiers(monkeypatch):
-    """sm_90 with a DRAM peak of FAST_DRAM_GBPS or more (the H200) takes 2 warps from 48 MiB and the H100's tiers
-    below; a slower sm_90 (the H100), an unknown peak and other GPUs keep their own table; a launch reads the
-    device's peak."""
+    """sm_90 with a DRAM peak of FAST_DRAM_GBPS or more (the H200) takes 1024 bytes over 2 warps from 17 MiB, 512
+    over 2 from 33 MiB and the H100's tiers below 17; a slower sm_90 (the H100), an unknown peak and other GPUs keep
+    their own table; a launch reads the device's peak."""
     h200, h100 = 4814, 3352
     assert kernel.launch_tiers((9, 0), h200) is kernel.FAST_DRAM_LAUNCH_CONFIGS[(9, 0)]
     assert kernel.launch_tiers((9, 0), kernel.FAST_DRAM_GBPS) is kernel.FAST_DRAM_LAUNCH_CONFIGS[(9, 0)]
@@ -260,12 +260,20 @@ def test_fast_dram_tiers(monkeypatch):
     assert kernel.launch_tiers((9, 0), h100) is kernel.launch_tiers((9, 0)) is kernel.LAUNCH_CONFIGS[(9, 0)]
     assert kernel.launch_tiers((8, 9), h200) is kernel.LAUNCH_CONFIGS[(8, 9)]
     assert kernel.launch_tiers((10, 0), h200) is kernel.DEFAULT_LAUNCH_TIERS
-    largest = 48 * kernel.MiB
-    fast = kernel.LaunchConfig(512, 2, True) if kernel.TRITON_COMPILES_SHARED_TABLES else kernel.LaunchConfig(2048, 4, False)
-    assert kernel.launch_config((9, 0), largest, h200) == fast
-    assert kernel.launch_config((9, 0), largest, h100) == ((512, 4, True) if kernel.TRITON_COMPILES_SHARED_TABLES else fast)
-    for n_bytes in (0, 1 << 20, 8 << 20, 20 << 20, largest - 1):
+    shared = kernel.TRITON_COMPILES_SHARED_TABLES
+    mid_global = kernel.LaunchConfig(2048, 4, False)
+    expected = {  # packed bytes -> (the H200's config, the H100's)
+        17 * kernel.MiB - 1: (mid_global if not shared else (2048, 2, True),) * 2,
+        17 * kernel.MiB: ((1024, 2, True) if shared else mid_global, mid_global),
+        33 * kernel.MiB - 1: ((1024, 2, True) if shared else mid_global, mid_global),
+        33 * kernel.MiB: ((512, 2, True) if shared else mid_global, mid_global),
+        48 * kernel.MiB: ((512, 2, True) if shared else mid_global, (512, 4, True) if shared else mid_global),
+    }
+    for n_bytes, (fast, slow) in expected.items():
+        assert (kernel.launch_config((9, 0), n_bytes, h200), kernel.launch_config((9, 0), n_bytes, h100)) == (fast, slow)
+    for n_bytes in (0, 1 << 20, 8 << 20, 16 << 20):
         assert kernel.launch_config((9, 0), n_bytes, h200) == kernel.launch_config((9, 0), n_bytes, h100)
+    largest = 48 * kernel.MiB
     packed = torch.empty(largest, dtype=torch.uint8)  # never read: the launch is chosen, not made
     for peak in (h200, h100):
         monkeypatch.setattr(kernel, "device_facts", lambda device, peak=peak: ((9, 0), 60 << 20, peak))
