@@ -51,13 +51,18 @@ def linear4bit(shape, *, dtype=torch.bfloat16, device="cpu", bias=False, seed=30
 
 
 def in_a_fresh_process(script):
-    """Runs ``script`` in a new Python process (nothing cached yet) with the project and tests/ importable;
-    fails with its output where it fails."""
+    """Runs ``script`` in a new Python process (nothing cached yet) from the project's root with the project and
+    tests/ importable; fails with its exit status and output where it fails."""
     tests = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(filter(None, [os.path.dirname(tests), tests, os.environ.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, PYTHONPATH=path))
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    root = os.path.dirname(tests)
+    path = os.pathsep.join(filter(None, [root, tests, os.environ.get("PYTHONPATH")]))
+    try:
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=root,
+                                env=dict(os.environ, PYTHONPATH=path))
+    except subprocess.TimeoutExpired as error:
+        raise AssertionError(f"no exit within {error.timeout} s; stderr so far:\n{error.stderr}") from error
+    assert result.returncode == 0, (f"exit status {result.returncode}\n--- stdout\n{result.stdout[-2000:]}\n"
+                                    f"--- stderr\n{result.stderr[-4000:]}")
 
 
 def offset_copy(packed, start):

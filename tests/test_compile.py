@@ -64,17 +64,28 @@ def test_entry_point_fullgraph(device):
 @pytest.mark.gpu
 def test_first_call_compiled():
     """A process's first call made inside torch.compile, the device's facts (the launch tier's inputs) not yet
-    cached while the body is traced: one graph, bitsandbytes' bits, at a size (24 MiB) whose tier reads the DRAM's
-    peak."""
+    cached while the body is traced: one graph, bitsandbytes' bits, and at 24 MiB (where the H200's tier differs
+    from the H100's) the launch of this device's tier, its DRAM peak read inside the trace."""
     in_a_fresh_process("""
 import torch
 from torch._dynamo.utils import counters
 import kernel
 from helpers import assert_bit_exact, bnb_dequantize, quantize
+chosen, choose_launch = [], kernel.choose_launch
+
+def recording(*args, **kwargs):
+    launch = choose_launch(*args, **kwargs)
+    chosen.append((launch.constexprs["BYTES_PER_PROGRAM"], launch.num_warps, launch.constexprs["SHARED_TABLES"]))
+    return launch
+
+kernel.choose_launch = recording
 packed, state = quantize((12288, 4096 + 64), dtype=torch.bfloat16, device="cuda", seed=6)
 result = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), fullgraph=True)(packed)
 assert not counters["graph_break"], counters["graph_break"]
 assert_bit_exact(result, bnb_dequantize(packed, state))
+capability, _, dram_gbps = kernel.device_facts()
+assert dram_gbps > 0 and chosen, (dram_gbps, chosen)
+assert chosen[0] == kernel.launch_config(capability, packed.numel(), dram_gbps), (chosen, dram_gbps)
 """)
 
 

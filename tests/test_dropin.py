@@ -552,7 +552,7 @@ def test_gpu_a_bias_of_another_shape_is_named():
 def test_first_call_compiled():
     """A process's first routed call made inside torch.compile: the device's facts are not cached yet, so
     Dynamo traces their lookup (the properties, the DRAM peak) in the forward; one graph, the eager call's bits,
-    the fused route's."""
+    a call the fused route takes."""
     in_a_fresh_process("""
 import torch
 from torch._dynamo.utils import counters
