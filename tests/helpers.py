@@ -50,6 +50,11 @@ def linear4bit(shape, *, dtype=torch.bfloat16, device="cpu", bias=False, seed=30
     return layer, packed, state
 
 
+def launch_config_of(launch):
+    """(bytes per program, warps, shared codebooks) of a ``kernel.Launch``: comparable to a ``LaunchConfig``."""
+    return launch.constexprs["BYTES_PER_PROGRAM"], launch.num_warps, launch.constexprs["SHARED_TABLES"]
+
+
 def in_a_fresh_process(script):
     """Runs ``script`` in a new Python process (nothing cached yet) from the project's root with the project and
     tests/ importable; fails with its exit status and output where it fails."""

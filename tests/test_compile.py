@@ -70,12 +70,12 @@ def test_first_call_compiled():
 import torch
 from torch._dynamo.utils import counters
 import kernel
-from helpers import assert_bit_exact, bnb_dequantize, quantize
+from helpers import assert_bit_exact, bnb_dequantize, launch_config_of, quantize
 chosen, choose_launch = [], kernel.choose_launch
 
 def recording(*args, **kwargs):
     launch = choose_launch(*args, **kwargs)
-    chosen.append((launch.constexprs["BYTES_PER_PROGRAM"], launch.num_warps, launch.constexprs["SHARED_TABLES"]))
+    chosen.append(launch_config_of(launch))
     return launch
 
 kernel.choose_launch = recording

@@ -8,7 +8,7 @@ import torch
 import bench_contenders
 import bench_harness
 import kernel
-from helpers import assert_bit_exact, bnb_dequantize, quantize
+from helpers import assert_bit_exact, bnb_dequantize, launch_config_of, quantize
 
 pytestmark = pytest.mark.gpu
 
@@ -75,7 +75,7 @@ def test_every_tier_on_the_gpu(smallest):
     packed, state = quantize((2 * smallest // 4096, 4096), dtype=torch.bfloat16, device="cuda", seed=smallest % 997)
     launch = kernel.choose_launch(packed, torch.bfloat16, 2 * smallest, blocksize=64, blocksize2=256, nested=True,
                                   fp4=False)
-    assert (launch.constexprs["BYTES_PER_PROGRAM"], launch.num_warps, launch.constexprs["SHARED_TABLES"]) == config
+    assert launch_config_of(launch) == config
     expected = bnb_dequantize(packed, state)
     for _ in range(2):  # the validating call, then the plan
         assert_bit_exact(kernel.dequantize_nf4(packed, state), expected)

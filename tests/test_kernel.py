@@ -19,6 +19,7 @@ from helpers import (
     bit_exact,
     bnb_dequantize,
     expected_values,
+    launch_config_of,
     offset_copy,
     quantize,
     snapshot,
@@ -279,8 +280,7 @@ def test_fast_dram_tiers(monkeypatch):
         monkeypatch.setattr(kernel, "device_facts", lambda device, peak=peak: ((9, 0), 60 << 20, peak))
         launch = kernel.choose_launch(packed, torch.float16, 2 * largest, blocksize=64, blocksize2=256, nested=True,
                                       fp4=False)
-        chosen = (launch.constexprs["BYTES_PER_PROGRAM"], launch.num_warps, launch.constexprs["SHARED_TABLES"])
-        assert chosen == kernel.launch_config((9, 0), largest, peak)
+        assert launch_config_of(launch) == kernel.launch_config((9, 0), largest, peak)
 
 
 def test_peak_dram_gbps():
