@@ -177,6 +177,43 @@ def test_serving_table_is_the_results(header, layers):
                 assert f"{float(measured['peak_mib']):.0f} MiB" in cell
 
 
+
+def test_h200_paragraph_is_the_results():
+    """The H200's serving figures under the first table: merged, all 32 layers, from its CSVs and its log."""
+    h200 = os.path.join(ROOT, "results", "nvidia-h200")
+    found = {}
+    for dtype in ("bf16", "fp16"):
+        for row in rows(os.path.join(h200, f"serve_{dtype}_32layers.csv")):
+            assert (row["gpu"], row["torch_version"], row["triton_version"], row["bitsandbytes_version"],
+                    row["transformers_version"], row["model"]) == (
+                "NVIDIA H200", "2.11.0+cu130", "3.6.0", "0.50.2", "5.17.0", "4096x14336 x32 layers")
+            found[dtype, row["kind"], row["tokens"], row["implementation"]] = float(row["median_ms"])
+
+    def ratio(dtype, kind, tokens):
+        return f"{found[dtype, kind, tokens, 'bitsandbytes'] / found[dtype, kind, tokens, MERGED]:.2f}x"
+
+    def step(dtype):  # the merged drop-in's batch-1 compiled step against bitsandbytes', ms
+        return " against ".join(f"{found[dtype, 'decode merged compiled', DECODE[0], name]:.3f}"
+                                for name in (MERGED, "bitsandbytes"))
+
+    compiled, graphs, prefill = "decode merged compiled", "decode merged", "prefill merged"
+    text = " ".join(readme().split())
+    text = text[text.index("On one NVIDIA H200"):text.index("of the step less.")]
+    for fragment in (
+            f"**{ratio('bf16', compiled, DECODE[0])}** at batch 1 in bf16 ({step('bf16')} ms a step)",
+            f"**{ratio('fp16', compiled, DECODE[0])}** in fp16 ({step('fp16')})",
+            f"**{ratio('fp16', compiled, DECODE[1])}** at batch 8 in fp16, {ratio('bf16', compiled, DECODE[3])} at batch 64",
+            f"{ratio('bf16', graphs, DECODE[0])} / {ratio('fp16', graphs, DECODE[1])} / {ratio('bf16', graphs, DECODE[3])} "
+            "at batch 1 (bf16) / 8 (fp16) / 64",
+            f"prefill {ratio('bf16', prefill, PREFILL[0])} at 1x128 and {ratio('bf16', prefill, PREFILL[1])} at 1x512 in bf16"):
+        assert fragment in text, fragment
+    # bf16 at batches 8 and 32 compiled: in the log only (its run stopped before writing them)
+    with open(os.path.join(h200, "serve.log")) as handle:
+        log = handle.read()
+    logged = [re.search(rf"^decode merged compiled bf16 batch {batch}: .*nf4-triton \(merged\) \d+ tok/s \((\d\.\d\d)x",
+                        log, re.M).group(1) for batch in (8, 32)]
+    assert f"{logged[0]}x and {logged[1]}x at 8 and 32 in bf16" in text
+
 def test_compiled_table_is_the_results():
     """The compiled decode table (bf16, all 32 layers): every cell from the CSV, the floor where it ran."""
     (table,) = [table for table in tables(readme()) if table[0][0] == "decode, 32 layers, compiled"]
