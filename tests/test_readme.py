@@ -78,11 +78,11 @@ def fsdp_speedups(flavour):
             if name.startswith("bitsandbytes")}
 
 
-def serve(dtype, layers=""):
-    """{(kind, tokens, implementation): row} of servebench's CSV for ``dtype`` (``layers``: "_32layers" for
-    the whole model's run), and bitsandbytes' time over each row's ("x" speedups)."""
+def serve(dtype, layers="", folder=H100):
+    """{(kind, tokens, implementation): row} of servebench's CSV for ``dtype`` in ``folder`` (``layers``:
+    "_32layers" for the whole model's run), and bitsandbytes' time over each row's ("x" speedups)."""
     found = {(row["kind"], row["tokens"], row["implementation"]): row
-             for row in rows(os.path.join(H100, f"serve_{dtype}{layers}.csv"))}
+             for row in rows(os.path.join(folder, f"serve_{dtype}{layers}.csv"))}
     speedup = {key: float(found[key[:2] + ("bitsandbytes",)]["median_ms"]) / float(row["median_ms"])
                for key, row in found.items()
                if key[0] in ("decode", "decode floor", "decode compiled", "prefill", "qlora-step", "qlora-step-checkpointed")}
@@ -181,19 +181,18 @@ def test_serving_table_is_the_results(header, layers):
 def test_h200_paragraph_is_the_results():
     """The H200's serving figures under the first table: merged, all 32 layers, from its CSVs and its log."""
     h200 = os.path.join(ROOT, "results", "nvidia-h200")
-    found = {}
-    for dtype in ("bf16", "fp16"):
-        for row in rows(os.path.join(h200, f"serve_{dtype}_32layers.csv")):
+    found = {dtype: serve(dtype, "_32layers", h200)[0] for dtype in ("bf16", "fp16")}
+    for table in found.values():
+        for row in table.values():
             assert (row["gpu"], row["torch_version"], row["triton_version"], row["bitsandbytes_version"],
                     row["transformers_version"], row["model"]) == (
                 "NVIDIA H200", "2.11.0+cu130", "3.6.0", "0.50.2", "5.17.0", "4096x14336 x32 layers")
-            found[dtype, row["kind"], row["tokens"], row["implementation"]] = float(row["median_ms"])
 
     def ratio(dtype, kind, tokens):
-        return f"{found[dtype, kind, tokens, 'bitsandbytes'] / found[dtype, kind, tokens, MERGED]:.2f}x"
+        return f"{merged_speedup(found[dtype], kind, tokens):.2f}x"
 
     def step(dtype):  # the merged drop-in's batch-1 compiled step against bitsandbytes', ms
-        return " against ".join(f"{found[dtype, 'decode merged compiled', DECODE[0], name]:.3f}"
+        return " against ".join(f"{float(found[dtype]['decode merged compiled', DECODE[0], name]['median_ms']):.3f}"
                                 for name in (MERGED, "bitsandbytes"))
 
     compiled, graphs, prefill = "decode merged compiled", "decode merged", "prefill merged"
