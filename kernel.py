@@ -266,7 +266,7 @@ DEFAULT_LAUNCH_TIERS = (LaunchTier(0, _SMALL),)
 # in flight (32 programs an SM at 2 warps, 16 at 4). GPU time, 7 and 11 interleaved rounds (NOTES.md, items 104, 105):
 FAST_DRAM_GBPS = 4400
 FAST_DRAM_LAUNCH_CONFIGS = {
-    (9, 0): LAUNCH_CONFIGS[(9, 0)][:-2] + (
+    (9, 0): tuple(tier for tier in LAUNCH_CONFIGS[(9, 0)] if tier.smallest_bytes < 17 * MiB) + (
         # 23.54 against 24.10 us (2048/4 global) at 8704x4096 bf16, ahead at all 8 weights from 17 to 22 MiB
         LaunchTier(17 * MiB, LaunchConfig(1024, 2, True), fallback=_MID_GLOBAL),
         # 45.52 against 46.02 at 13824x5120 fp16; 145.60 against 159.65 (512/4) at 28672x8192 bf16, 74.66 against

@@ -314,29 +314,31 @@ def _decode_rounds(names, router, model, decoder, timed, rounds):
     return steps, generations
 
 
-def bench_floor(model, router, dtype_name, rounds, meta, log, batches=DECODE_BATCHES, compiled=False):
+def bench_floor(model, router, dtype_name, rounds, meta, log, batches=DECODE_BATCHES, compiled=False, rows=None):
     """Decode tokens/s per batch for bitsandbytes, the drop-in and ``FLOOR`` in the same rounds, with the
     decoder layers compiled where ``compiled``."""
     return _decode_side_by_side(model, router, ["bitsandbytes", "nf4-triton", FLOOR],
                                 "decode compiled" if compiled else "decode floor", dtype_name, rounds, meta, log,
-                                batches, compiled)
+                                batches, compiled, rows)
 
 
-def bench_merged(model, router, dtype_name, rounds, meta, log, batches=DECODE_BATCHES):
+def bench_merged(model, router, dtype_name, rounds, meta, log, batches=DECODE_BATCHES, rows=None):
     """Decode tokens/s per batch for bitsandbytes, the drop-in and the drop-in with ``MERGED``'s projections in
     one launch each, in the same rounds: under CUDA graphs, then with the decoder layers compiled; then
     prefill under CUDA graphs."""
     names = ["bitsandbytes", "nf4-triton", MERGED]
-    return (_decode_side_by_side(model, router, names, "decode merged", dtype_name, rounds, meta, log, batches)
-            + _decode_side_by_side(model, router, names, "decode merged compiled", dtype_name, rounds, meta, log,
-                                   batches, compiled=True)
-            + bench_prefill(model, router, names, dtype_name, rounds, meta, log, kind="prefill merged"))
+    rows = _decode_side_by_side(model, router, names, "decode merged", dtype_name, rounds, meta, log, batches,
+                                rows=rows)
+    rows = _decode_side_by_side(model, router, names, "decode merged compiled", dtype_name, rounds, meta, log,
+                                batches, compiled=True, rows=rows)
+    return bench_prefill(model, router, names, dtype_name, rounds, meta, log, kind="prefill merged", rows=rows)
 
 
-def _decode_side_by_side(model, router, names, kind, dtype_name, rounds, meta, log, batches, compiled=False):
+def _decode_side_by_side(model, router, names, kind, dtype_name, rounds, meta, log, batches, compiled=False,
+                         rows=None):
     """Decode tokens/s per batch for ``names`` in the same rounds, with the decoder layers compiled where
-    ``compiled``; rows of ``kind``."""
-    rows = []
+    ``compiled``; rows of ``kind`` appended to ``rows`` (a new list by default), batch by batch."""
+    rows = [] if rows is None else rows
     for batch in batches:
         decoder = Decoder(model, batch)
         with torch.no_grad():
@@ -358,9 +360,10 @@ def _decode_side_by_side(model, router, names, kind, dtype_name, rounds, meta, l
     return rows
 
 
-def bench_decode(model, router, names, dtype_name, rounds, meta, log, batches=DECODE_BATCHES):
-    """Decode tokens/s per batch under CUDA graphs, the generations and the logits' agreement."""
-    rows = []
+def bench_decode(model, router, names, dtype_name, rounds, meta, log, batches=DECODE_BATCHES, rows=None):
+    """Decode tokens/s per batch under CUDA graphs, the generations and the logits' agreement; rows appended to
+    ``rows`` (a new list by default), batch by batch."""
+    rows = [] if rows is None else rows
     for batch in batches:
         decoder = Decoder(model, batch)
         with torch.no_grad():
@@ -407,9 +410,10 @@ def bench_decode(model, router, names, dtype_name, rounds, meta, log, batches=DE
     return rows
 
 
-def bench_prefill(model, router, names, dtype_name, rounds, meta, log, kind="prefill"):
-    """Prefill time per token count under CUDA graphs, and the last position's logits' agreement; rows of ``kind``."""
-    rows = []
+def bench_prefill(model, router, names, dtype_name, rounds, meta, log, kind="prefill", rows=None):
+    """Prefill time per token count under CUDA graphs, and the last position's logits' agreement; rows of ``kind``
+    appended to ``rows`` (a new list by default), case by case."""
+    rows = [] if rows is None else rows
     for batch, sequence in PREFILL_TOKENS:
         ids = torch.randint(0, model.config.vocab_size, (batch, sequence), device="cuda",
                             generator=torch.Generator("cuda").manual_seed(5))
@@ -494,10 +498,11 @@ def linear_share(model, fn):
     return (inside / total if total else 0.0), total / 1e3, len(spans), top
 
 
-def bench_share(model, router, names, dtype_name, meta, log, batches=DECODE_BATCHES):
+def bench_share(model, router, names, dtype_name, meta, log, batches=DECODE_BATCHES, rows=None):
     """``linear_share`` of a decode step at every batch of ``batches`` and of a 1x128 and a 1x512 prefill,
-    per contender."""
-    rows = []
+    per contender; rows appended to ``rows`` (a new list by default)."""
+    rows = [] if rows is None else rows
+    first = len(rows)
     decoders = {batch: Decoder(model, batch) for batch in batches}
     cases = {f"decode {batch}": (decoder, decoder.step) for batch, decoder in decoders.items()}
     for length in (128, 512):
@@ -514,20 +519,21 @@ def bench_share(model, router, names, dtype_name, meta, log, batches=DECODE_BATC
                                  linear_share=share, kernel_ms=kernel_ms, linear_ranges=ranges, linear_kernels_us=top))
     log(f"share of kernel time in the 4-bit linears, {dtype_name}: " + ", ".join(
         f"{r['implementation']} {r['tokens']} {100 * r['linear_share']:.0f} % of {r['kernel_ms']:.2f} ms "
-        f"({r['linear_ranges']} ranges: {r['linear_kernels_us']})" for r in rows))
+        f"({r['linear_ranges']} ranges: {r['linear_kernels_us']})" for r in rows[first:]))
     del decoders
     return rows
 
 
-def loss_curves(model, router, names, dtype_name, meta, log):
+def loss_curves(model, router, names, dtype_name, meta, log, rows=None):
     """QLoRA losses over CURVE_STEPS steps per contender from the same LoRA start, on four batches in
-    turn (bitsandbytes a second time: its own run-to-run spread)."""
+    turn (bitsandbytes a second time: its own run-to-run spread); rows appended to ``rows`` (a new list by
+    default)."""
     lora = [p for p in model.parameters() if p.requires_grad]
     start = [p.detach().clone() for p in lora]
     batches = [torch.randint(0, model.config.vocab_size, CURVE_TOKENS, device="cuda",
                              generator=torch.Generator("cuda").manual_seed(10 + i)) for i in range(4)]
     model.train()
-    rows, curves = [], {}
+    rows, curves = [] if rows is None else rows, {}
     # bitsandbytes twice: the second run is its own run-to-run spread
     for name, route_name in [(name, name) for name in names] + [("bitsandbytes (second run)", "bitsandbytes")]:
         router(model, route_name)
@@ -543,9 +549,9 @@ def loss_curves(model, router, names, dtype_name, meta, log):
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.detach())
         curves[name] = torch.stack(losses).float().cpu()
-        rows += [dict(meta, kind="loss", dtype=dtype_name,
+        rows.extend(dict(meta, kind="loss", dtype=dtype_name,
                       tokens=f"{CURVE_TOKENS[0]}x{CURVE_TOKENS[1]}", implementation=name, step=step, loss=value.item())
-                 for step, value in enumerate(curves[name])]
+                    for step, value in enumerate(curves[name]))
     for p, value in zip(lora, start):
         p.data.copy_(value)
     model.eval()
@@ -555,11 +561,32 @@ def loss_curves(model, router, names, dtype_name, meta, log):
     return rows
 
 
+class SavedRows(list):
+    """CSV rows written to ``path`` again at each append, so that a run stopped by a time limit keeps the rows
+    it measured."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def append(self, row):
+        super().append(row)
+        bench_results.write_csv(self.path, self)
+
+    def extend(self, rows):
+        super().extend(rows)
+        bench_results.write_csv(self.path, self)
+
+    def __iadd__(self, rows):
+        self.extend(rows)
+        return self
+
+
 def run(dtype_name, layers, rounds, model_folder, meta, log=print, with_unsloth=False, sections=SECTIONS,
-        batches=DECODE_BATCHES):
-    """The ``sections`` (``SECTIONS``) for one dtype, decoding at ``batches``; returns CSV rows.
-    ``with_unsloth``: import Unsloth (which patches transformers for every contender) and time its
-    Linear4bit override too."""
+        batches=DECODE_BATCHES, path=None):
+    """The ``sections`` (``SECTIONS``) for one dtype, decoding at ``batches``; returns CSV rows, written to
+    ``path`` as they are measured where it is given. ``with_unsloth``: import Unsloth (which patches
+    transformers for every contender) and time its Linear4bit override too."""
     size = f"4096x14336 x{layers} layers"
     meta = dict(meta, model=size)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
@@ -574,22 +601,23 @@ def run(dtype_name, layers, rounds, model_folder, meta, log=print, with_unsloth=
     router = Router(model, unsloth)
     log(f"{len(router.layers)} Linear4bit layers, {layers} decoder layers, vocab {model.config.vocab_size}")
     training = list(dict.fromkeys(name for name in TRAINING if name in names))
+    rows = [] if path is None else SavedRows(path)
     bodies = {
-        "decode": lambda: bench_decode(model, router, names, dtype_name, rounds, meta, log, batches),
-        "prefill": lambda: bench_prefill(model, router, names, dtype_name, rounds, meta, log),
-        "share": lambda: bench_share(model, router, names, dtype_name, meta, log, batches),
-        "train": lambda: modelbench.bench_train(modelbench.add_lora(model), size, dtype_name, rounds,
-                                                dict.fromkeys(training), meta, log, tokens=TRAIN_TOKENS,
-                                                route_to=router),
-        "curves": lambda: loss_curves(model, router, training, dtype_name, meta, log),
-        "floor": lambda: bench_floor(model, router, dtype_name, rounds, meta, log, batches),
-        "compiled": lambda: bench_floor(model, router, dtype_name, rounds, meta, log, batches, compiled=True),
-        "merged": lambda: bench_merged(model, router, dtype_name, rounds, meta, log, batches),
+        "decode": lambda: bench_decode(model, router, names, dtype_name, rounds, meta, log, batches, rows),
+        "prefill": lambda: bench_prefill(model, router, names, dtype_name, rounds, meta, log, rows=rows),
+        "share": lambda: bench_share(model, router, names, dtype_name, meta, log, batches, rows),
+        "train": lambda: rows.extend(modelbench.bench_train(modelbench.add_lora(model), size, dtype_name, rounds,
+                                                            dict.fromkeys(training), meta, log,
+                                                            tokens=TRAIN_TOKENS, route_to=router)),
+        "curves": lambda: loss_curves(model, router, training, dtype_name, meta, log, rows),
+        "floor": lambda: bench_floor(model, router, dtype_name, rounds, meta, log, batches, rows=rows),
+        "compiled": lambda: bench_floor(model, router, dtype_name, rounds, meta, log, batches, compiled=True,
+                                        rows=rows),
+        "merged": lambda: bench_merged(model, router, dtype_name, rounds, meta, log, batches, rows),
     }
-    rows = []
     for section in (bodies[name] for name in SECTIONS if name in sections):
         try:
-            rows += section()
+            section()
         except Exception:  # the other sections still run; the log carries the failure
             log(f"section failed:\n{traceback.format_exc()}")
         router(model, "bitsandbytes")
@@ -627,14 +655,15 @@ def main(argv=None):
                 **bench_results.version_columns(("torch", "triton", "bitsandbytes", "transformers", "peft")),
                 unsloth_version=metadata.version("unsloth") if args.unsloth else "not imported")
     print(meta)
-    rows = run(args.dtype, args.layers, args.rounds, f"{args.model}-{args.layers}", meta, with_unsloth=args.unsloth,
-               sections=sections, batches=[int(batch) for batch in args.batches.split(",") if batch])
     folder = bench_results.results_folder(args.out)
     os.makedirs(folder, exist_ok=True)
     layers = "" if args.layers == LAYERS else f"_{args.layers}layers"  # the charts read the default size's files
     path = os.path.join(folder, f"serve_{args.dtype}{layers}{'_unsloth' if args.unsloth else ''}.csv")
-    bench_results.write_csv(path, rows)
-    print("wrote", path, "and", ", ".join(bench_plots.plot_serve(folder)))
+    rows = run(args.dtype, args.layers, args.rounds, f"{args.model}-{args.layers}", meta, with_unsloth=args.unsloth,
+               sections=sections, batches=[int(batch) for batch in args.batches.split(",") if batch], path=path)
+    if not rows:
+        raise SystemExit("no rows measured: every section failed (the log says why)")
+    print("wrote", ", ".join([path] + bench_plots.plot_serve(folder)))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import bench_timing
 import bench_weights
 import kernel
 import notebooks
+import servebench
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 RESULTS = os.path.join(ROOT, "results", "nvidia-h100-80gb-hbm3")
@@ -104,6 +105,26 @@ def test_serve_charts_without_the_loss_curves(tmp_path):
     assert [os.path.basename(path) for path in written] == ["serve.png"]
     shutil.copy(os.path.join(RESULTS, "serve_bf16.csv"), tmp_path / "serve_bf16.csv")
     assert [os.path.basename(path) for path in bench_plots.plot_serve(str(tmp_path))] == ["serve.png", "serve_losses.png"]
+
+
+def test_serve_rows_saved_as_measured(tmp_path):
+    """servebench writes its CSV at each row, so a run stopped at a time limit keeps what it measured; a later
+    section's new columns join the header."""
+    path = tmp_path / "serve_bf16.csv"
+    rows = servebench.SavedRows(str(path))
+    rows.append(dict(kind="decode merged", tokens="1x128+128", median_ms=3.5))
+    assert csv_rows(path) == [dict(kind="decode merged", tokens="1x128+128", median_ms="3.5")]
+    rows.extend([dict(kind="decode merged", tokens="8x128+128", median_ms=4.5)])
+    rows += [dict(kind="loss", tokens="2x512", step=0)]
+    assert csv_rows(path) == [dict(kind="decode merged", tokens="1x128+128", median_ms="3.5", step=""),
+                             dict(kind="decode merged", tokens="8x128+128", median_ms="4.5", step=""),
+                             dict(kind="loss", tokens="2x512", median_ms="", step="0")]
+    assert isinstance(rows, servebench.SavedRows) and len(rows) == 3
+
+
+def csv_rows(path):
+    with open(path) as handle:
+        return list(csv.DictReader(handle))
 
 
 def test_best_launch_config_from_the_sweep():
