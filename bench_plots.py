@@ -117,9 +117,15 @@ def plot_serve(folder):
         return []  # a run of sections these charts do not draw (servebench.py --sections merged)
     dtypes = list(dict.fromkeys(frame["dtype"]))
     meta = frame.iloc[0]
-    fig, axes = plt.subplots(2, len(dtypes), figsize=(6 * len(dtypes), 9), squeeze=False)
+    with_decode = bool((frame["kind"] == "decode").any())  # not in a run of training alone (--sections train)
+    fig, axes = plt.subplots(1 + with_decode, len(dtypes), figsize=(6 * len(dtypes), 4.5 * (1 + with_decode)),
+                             squeeze=False)
     for column, dtype in enumerate(dtypes):
         rows = frame[frame["dtype"] == dtype]
+        timed = rows[rows["kind"].isin(["decode", "prefill", "qlora-step", "qlora-step-checkpointed"])]
+        _speed_bars(axes[-1, column], timed, timed["tokens"].str.split("+").str[0], rot=45)
+        if not with_decode:
+            continue
         decode = rows[rows["kind"] == "decode"].copy()
         decode["batch"] = decode["tokens"].str.split("x").str[0].astype(int)
         ax = axes[0, column]
@@ -131,8 +137,6 @@ def plot_serve(folder):
         ax.set_ylabel("decode tokens/s (CUDA graph)")
         ax.set_title(f"{meta['model']}, {dtype}: decode", fontsize=10)
         ax.grid(True, which="both", linewidth=0.3)
-        timed = rows[rows["kind"].isin(["decode", "prefill", "qlora-step", "qlora-step-checkpointed"])]
-        _speed_bars(axes[1, column], timed, timed["tokens"].str.split("+").str[0], rot=45)
     written = [_save_with_legend_below(plt, fig, axes, os.path.join(folder, "serve.png"), run_line(meta), ncol=None,
                                        fontsize=9, bottom=0.06, dpi=90)]
     losses = frame[frame["kind"] == "loss"]

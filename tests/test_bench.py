@@ -93,8 +93,8 @@ def test_charts_from_results(tmp_path):
 
 
 def test_serve_charts_without_the_loss_curves(tmp_path):
-    """A servebench run of a few sections (``--sections decode --batches 1``) charts what it measured;
-    one of sections the charts do not draw (``--sections merged``) draws none."""
+    """A servebench run of a few sections (``--sections decode --batches 1``, or ``--sections train,curves``)
+    charts what it measured; one of sections the charts do not draw (``--sections merged``) draws none."""
     pd = pytest.importorskip("pandas")
     pytest.importorskip("matplotlib")
     rows = pd.read_csv(os.path.join(RESULTS, "serve_bf16.csv"))
@@ -103,6 +103,9 @@ def test_serve_charts_without_the_loss_curves(tmp_path):
     rows[rows["kind"] == "decode"].to_csv(tmp_path / "serve_bf16.csv", index=False)
     written = bench_plots.plot_serve(str(tmp_path))
     assert [os.path.basename(path) for path in written] == ["serve.png"]
+    rows[rows["kind"].isin(["qlora-step", "qlora-step-checkpointed", "loss"])].to_csv(tmp_path / "serve_bf16.csv",
+                                                                                       index=False)
+    assert [os.path.basename(path) for path in bench_plots.plot_serve(str(tmp_path))] == ["serve.png", "serve_losses.png"]
     shutil.copy(os.path.join(RESULTS, "serve_bf16.csv"), tmp_path / "serve_bf16.csv")
     assert [os.path.basename(path) for path in bench_plots.plot_serve(str(tmp_path))] == ["serve.png", "serve_losses.png"]
 
