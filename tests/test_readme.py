@@ -179,39 +179,46 @@ def test_serving_table_is_the_results(header, layers):
 
 
 def test_h200_paragraph_is_the_results():
-    """The H200's serving figures under the first table: merged, all 32 layers, from its CSVs and its log."""
+    """The H200's figures under the first table: serving merged with all 32 layers, the QLoRA step with 8, from its CSVs."""
     h200 = os.path.join(ROOT, "results", "nvidia-h200")
     found = {dtype: serve(dtype, "_32layers", h200)[0] for dtype in ("bf16", "fp16")}
-    for table in found.values():
-        for row in table.values():
-            assert (row["gpu"], row["torch_version"], row["triton_version"], row["bitsandbytes_version"],
-                    row["transformers_version"], row["model"]) == (
-                "NVIDIA H200", "2.11.0+cu130", "3.6.0", "0.50.2", "5.17.0", "4096x14336 x32 layers")
+    trained = {dtype: serve(dtype, "", h200) for dtype in ("bf16", "fp16")}
+    versions = {(row["gpu"], row["torch_version"], row["triton_version"], row["bitsandbytes_version"],
+                 row["transformers_version"])
+                for table in list(found.values()) + [table for table, _ in trained.values()] for row in table.values()}
+    assert len(versions) == 1
+    opening = "On one {} (torch {}, Triton {}, bitsandbytes {}, transformers {})".format(*versions.pop())
+    assert {row["model"] for table in found.values() for row in table.values()} == {"4096x14336 x32 layers"}
+    assert {row["model"] for table, _ in trained.values() for row in table.values()} == {"4096x14336 x8 layers"}
 
-    def ratio(dtype, kind, tokens):
-        return f"{merged_speedup(found[dtype], kind, tokens):.2f}x"
+    def ratios(dtype, kind, batches):
+        return " / ".join(f"{merged_speedup(found[dtype], kind, tokens):.2f}x" for tokens in batches)
 
     def step(dtype):  # the merged drop-in's batch-1 compiled step against bitsandbytes', ms
         return " against ".join(f"{float(found[dtype]['decode merged compiled', DECODE[0], name]['median_ms']):.3f}"
                                 for name in (MERGED, "bitsandbytes"))
 
+    def training(dtype):
+        table, speedup = trained[dtype]
+        kinds = ("qlora-step", "qlora-step-checkpointed")
+        assert all(table[kind, "4x1024", "nf4-triton"][equal] == "True" for kind in kinds
+                   for equal in ("loss_equal_bitsandbytes", "lora_grads_equal_bitsandbytes"))
+        return " / ".join(f"{speedup[kind, '4x1024', 'nf4-triton']:.2f}x" for kind in kinds)
+
     compiled, graphs, prefill = "decode merged compiled", "decode merged", "prefill merged"
     text = " ".join(readme().split())
     text = text[text.index("On one NVIDIA H200"):text.index("of the step less.")]
+    wider = " / ".join(["**" + ratios("bf16", compiled, DECODE[1:2]) + "**", ratios("bf16", compiled, DECODE[2:])])
     for fragment in (
-            f"**{ratio('bf16', compiled, DECODE[0])}** at batch 1 in bf16 ({step('bf16')} ms a step)",
-            f"**{ratio('fp16', compiled, DECODE[0])}** in fp16 ({step('fp16')})",
-            f"**{ratio('fp16', compiled, DECODE[1])}** at batch 8 in fp16, {ratio('bf16', compiled, DECODE[3])} at batch 64",
-            f"{ratio('bf16', graphs, DECODE[0])} / {ratio('fp16', graphs, DECODE[1])} / {ratio('bf16', graphs, DECODE[3])} "
-            "at batch 1 (bf16) / 8 (fp16) / 64",
-            f"prefill {ratio('bf16', prefill, PREFILL[0])} at 1x128 and {ratio('bf16', prefill, PREFILL[1])} at 1x512 in bf16"):
+            opening,
+            f"**{ratios('bf16', compiled, DECODE[:1])}** at batch 1 in bf16 ({step('bf16')} ms a step)",
+            f"**{ratios('fp16', compiled, DECODE[:1])}** in fp16 ({step('fp16')})",
+            f"at batch 8 / 32 / 64 {wider} in bf16 and {ratios('fp16', compiled, DECODE[1:])} in fp16",
+            f"{ratios('bf16', graphs, DECODE)} at batch 1 / 8 / 32 / 64 in bf16 and {ratios('fp16', graphs, DECODE)} in fp16",
+            f"prefill {ratios('bf16', prefill, PREFILL[:1])} at 1x128 and {ratios('bf16', prefill, PREFILL[1:2])} at 1x512",
+            f"{training('bf16')} in bf16 and {training('fp16')} in fp16, loss and LoRA gradients equal"):
         assert fragment in text, fragment
-    # bf16 at batches 8 and 32 compiled: in the log only (its run stopped before writing them)
-    with open(os.path.join(h200, "serve.log")) as handle:
-        log = handle.read()
-    logged = [re.search(rf"^decode merged compiled bf16 batch {batch}: .*nf4-triton \(merged\) \d+ tok/s \((\d\.\d\d)x",
-                        log, re.M).group(1) for batch in (8, 32)]
-    assert f"{logged[0]}x and {logged[1]}x at 8 and 32 in bf16" in text
+
 
 def test_compiled_table_is_the_results():
     """The compiled decode table (bf16, all 32 layers): every cell from the CSV, the floor where it ran."""
