@@ -26,6 +26,12 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 RESULTS = os.path.join(ROOT, "results", "nvidia-h100-80gb-hbm3")
 
 
+def csv_rows(path):
+    """A CSV file's rows as dicts of strings."""
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the demo runs only without a GPU")
 def test_without_gpu_runs_the_demo():
     result = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--quick"], capture_output=True,
@@ -53,9 +59,7 @@ def test_arguments():
 def test_results_written_as_committed(name, tmp_path):
     """A committed CSV's rows, written again, give the same bytes: the same columns in the same
     order, in the same file, and no other file from them (a roofline alone writes nothing)."""
-    with open(os.path.join(RESULTS, name), newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    bench_results.write_results(rows, str(tmp_path))
+    bench_results.write_results(csv_rows(os.path.join(RESULTS, name)), str(tmp_path))
     assert os.listdir(tmp_path) == [name]
     assert filecmp.cmp(os.path.join(RESULTS, name), tmp_path / name, shallow=False)
 
@@ -125,11 +129,6 @@ def test_serve_rows_saved_as_measured(tmp_path):
     assert isinstance(rows, servebench.SavedRows) and len(rows) == 3
 
 
-def csv_rows(path):
-    with open(path) as handle:
-        return list(csv.DictReader(handle))
-
-
 def test_best_launch_config_from_the_sweep():
     """The notebooks' pick: the all-on configuration with the smallest geometric-mean slowdown, read
     from the sweep's rows (a faster configuration with the inline PTX off is not a candidate)."""
@@ -141,8 +140,7 @@ def test_best_launch_config_from_the_sweep():
             for shape in ("4096x1024", "8192x2048") for label, us in ((fast, 10.0), (slow, 11.0), (no_asm, 9.0))]
     best, label, slowdown = bench_sweep.best_launch_config(rows)
     assert (best, label) == (kernel.LaunchConfig(1024, 4, False), fast) and slowdown == pytest.approx(10 / 9)
-    with open(os.path.join(RESULTS, "sweep.csv")) as handle:
-        committed = [dict(row, median_us=float(row["median_us"])) for row in csv.DictReader(handle)]
+    committed = [dict(row, median_us=float(row["median_us"])) for row in csv_rows(os.path.join(RESULTS, "sweep.csv"))]
     best, label, slowdown = bench_sweep.best_launch_config(committed)
     assert label in labels and best.bytes_per_program == labels[label]["BYTES_PER_PROGRAM"] and slowdown >= 1
 

@@ -208,12 +208,12 @@ def test_h200_paragraph_is_the_results():
     compiled, graphs, prefill = "decode merged compiled", "decode merged", "prefill merged"
     text = " ".join(readme().split())
     text = text[text.index("On one NVIDIA H200"):text.index("of the step less.")]
-    wider = " / ".join(["**" + ratios("bf16", compiled, DECODE[1:2]) + "**", ratios("bf16", compiled, DECODE[2:])])
     for fragment in (
             opening,
             f"**{ratios('bf16', compiled, DECODE[:1])}** at batch 1 in bf16 ({step('bf16')} ms a step)",
             f"**{ratios('fp16', compiled, DECODE[:1])}** in fp16 ({step('fp16')})",
-            f"at batch 8 / 32 / 64 {wider} in bf16 and {ratios('fp16', compiled, DECODE[1:])} in fp16",
+            f"at batch 8 / 32 / 64 **{ratios('bf16', compiled, DECODE[1:2])}** / {ratios('bf16', compiled, DECODE[2:])} "
+            f"in bf16 and {ratios('fp16', compiled, DECODE[1:])} in fp16",
             f"{ratios('bf16', graphs, DECODE)} at batch 1 / 8 / 32 / 64 in bf16 and {ratios('fp16', graphs, DECODE)} in fp16",
             f"prefill {ratios('bf16', prefill, PREFILL[:1])} at 1x128 and {ratios('bf16', prefill, PREFILL[1:2])} at 1x512",
             f"{training('bf16')} in bf16 and {training('fp16')} in fp16, loss and LoRA gradients equal"):
