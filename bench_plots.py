@@ -124,6 +124,7 @@ def plot_serve(folder):
         rows = frame[frame["dtype"] == dtype]
         timed = rows[rows["kind"].isin(["decode", "prefill", "qlora-step", "qlora-step-checkpointed"])]
         _speed_bars(axes[-1, column], timed, timed["tokens"].str.split("+").str[0], rot=45)
+        axes[-1, column].set_title(f"{meta['model']}, {dtype}: each case", fontsize=10)
         if not with_decode:
             continue
         decode = rows[rows["kind"] == "decode"].copy()

@@ -314,31 +314,28 @@ def _decode_rounds(names, router, model, decoder, timed, rounds):
     return steps, generations
 
 
-def bench_floor(model, router, dtype_name, rounds, meta, log, batches=DECODE_BATCHES, compiled=False, rows=None):
+def bench_floor(model, router, dtype_name, rounds, meta, log, rows, batches=DECODE_BATCHES, compiled=False):
     """Decode tokens/s per batch for bitsandbytes, the drop-in and ``FLOOR`` in the same rounds, with the
-    decoder layers compiled where ``compiled``."""
-    return _decode_side_by_side(model, router, ["bitsandbytes", "nf4-triton", FLOOR],
-                                "decode compiled" if compiled else "decode floor", dtype_name, rounds, meta, log,
-                                batches, compiled, rows)
+    decoder layers compiled where ``compiled``; rows appended to ``rows``."""
+    _decode_side_by_side(model, router, ["bitsandbytes", "nf4-triton", FLOOR],
+                         "decode compiled" if compiled else "decode floor", dtype_name, rounds, meta, log, rows,
+                         batches, compiled)
 
 
-def bench_merged(model, router, dtype_name, rounds, meta, log, batches=DECODE_BATCHES, rows=None):
+def bench_merged(model, router, dtype_name, rounds, meta, log, rows, batches=DECODE_BATCHES):
     """Decode tokens/s per batch for bitsandbytes, the drop-in and the drop-in with ``MERGED``'s projections in
     one launch each, in the same rounds: under CUDA graphs, then with the decoder layers compiled; then
-    prefill under CUDA graphs."""
+    prefill under CUDA graphs; rows appended to ``rows``."""
     names = ["bitsandbytes", "nf4-triton", MERGED]
-    rows = _decode_side_by_side(model, router, names, "decode merged", dtype_name, rounds, meta, log, batches,
-                                rows=rows)
-    rows = _decode_side_by_side(model, router, names, "decode merged compiled", dtype_name, rounds, meta, log,
-                                batches, compiled=True, rows=rows)
-    return bench_prefill(model, router, names, dtype_name, rounds, meta, log, kind="prefill merged", rows=rows)
+    _decode_side_by_side(model, router, names, "decode merged", dtype_name, rounds, meta, log, rows, batches)
+    _decode_side_by_side(model, router, names, "decode merged compiled", dtype_name, rounds, meta, log, rows,
+                         batches, compiled=True)
+    bench_prefill(model, router, names, dtype_name, rounds, meta, log, rows, kind="prefill merged")
 
 
-def _decode_side_by_side(model, router, names, kind, dtype_name, rounds, meta, log, batches, compiled=False,
-                         rows=None):
+def _decode_side_by_side(model, router, names, kind, dtype_name, rounds, meta, log, rows, batches, compiled=False):
     """Decode tokens/s per batch for ``names`` in the same rounds, with the decoder layers compiled where
-    ``compiled``; rows of ``kind`` appended to ``rows`` (a new list by default), batch by batch."""
-    rows = [] if rows is None else rows
+    ``compiled``; rows of ``kind`` appended to ``rows``, batch by batch."""
     for batch in batches:
         decoder = Decoder(model, batch)
         with torch.no_grad():
@@ -357,13 +354,11 @@ def _decode_side_by_side(model, router, names, kind, dtype_name, rounds, meta, l
             f"{r['timing']})" for r in rows[-len(names):]))
         del decoder, timed
         torch.cuda.empty_cache()
-    return rows
 
 
-def bench_decode(model, router, names, dtype_name, rounds, meta, log, batches=DECODE_BATCHES, rows=None):
+def bench_decode(model, router, names, dtype_name, rounds, meta, log, rows, batches=DECODE_BATCHES):
     """Decode tokens/s per batch under CUDA graphs, the generations and the logits' agreement; rows appended to
-    ``rows`` (a new list by default), batch by batch."""
-    rows = [] if rows is None else rows
+    ``rows``, batch by batch."""
     for batch in batches:
         decoder = Decoder(model, batch)
         with torch.no_grad():
@@ -407,13 +402,11 @@ def bench_decode(model, router, names, dtype_name, rounds, meta, log, batches=DE
             for r in rows[-len(names):]))
         del decoder, timed
         torch.cuda.empty_cache()
-    return rows
 
 
-def bench_prefill(model, router, names, dtype_name, rounds, meta, log, kind="prefill", rows=None):
+def bench_prefill(model, router, names, dtype_name, rounds, meta, log, rows, kind="prefill"):
     """Prefill time per token count under CUDA graphs, and the last position's logits' agreement; rows of ``kind``
-    appended to ``rows`` (a new list by default), case by case."""
-    rows = [] if rows is None else rows
+    appended to ``rows``, case by case."""
     for batch, sequence in PREFILL_TOKENS:
         ids = torch.randint(0, model.config.vocab_size, (batch, sequence), device="cuda",
                             generator=torch.Generator("cuda").manual_seed(5))
@@ -449,7 +442,6 @@ def bench_prefill(model, router, names, dtype_name, rounds, meta, log, kind="pre
             for r in rows[-len(names):]))
         del timed
         torch.cuda.empty_cache()
-    return rows
 
 
 LINEAR_RANGE = "nf4-linear"
@@ -498,10 +490,9 @@ def linear_share(model, fn):
     return (inside / total if total else 0.0), total / 1e3, len(spans), top
 
 
-def bench_share(model, router, names, dtype_name, meta, log, batches=DECODE_BATCHES, rows=None):
+def bench_share(model, router, names, dtype_name, meta, log, rows, batches=DECODE_BATCHES):
     """``linear_share`` of a decode step at every batch of ``batches`` and of a 1x128 and a 1x512 prefill,
-    per contender; rows appended to ``rows`` (a new list by default)."""
-    rows = [] if rows is None else rows
+    per contender; rows appended to ``rows``."""
     first = len(rows)
     decoders = {batch: Decoder(model, batch) for batch in batches}
     cases = {f"decode {batch}": (decoder, decoder.step) for batch, decoder in decoders.items()}
@@ -521,19 +512,17 @@ def bench_share(model, router, names, dtype_name, meta, log, batches=DECODE_BATC
         f"{r['implementation']} {r['tokens']} {100 * r['linear_share']:.0f} % of {r['kernel_ms']:.2f} ms "
         f"({r['linear_ranges']} ranges: {r['linear_kernels_us']})" for r in rows[first:]))
     del decoders
-    return rows
 
 
-def loss_curves(model, router, names, dtype_name, meta, log, rows=None):
+def loss_curves(model, router, names, dtype_name, meta, log, rows):
     """QLoRA losses over CURVE_STEPS steps per contender from the same LoRA start, on four batches in
-    turn (bitsandbytes a second time: its own run-to-run spread); rows appended to ``rows`` (a new list by
-    default)."""
+    turn (bitsandbytes a second time: its own run-to-run spread); rows appended to ``rows``."""
     lora = [p for p in model.parameters() if p.requires_grad]
     start = [p.detach().clone() for p in lora]
     batches = [torch.randint(0, model.config.vocab_size, CURVE_TOKENS, device="cuda",
                              generator=torch.Generator("cuda").manual_seed(10 + i)) for i in range(4)]
     model.train()
-    rows, curves = [] if rows is None else rows, {}
+    curves = {}
     # bitsandbytes twice: the second run is its own run-to-run spread
     for name, route_name in [(name, name) for name in names] + [("bitsandbytes (second run)", "bitsandbytes")]:
         router(model, route_name)
@@ -549,8 +538,8 @@ def loss_curves(model, router, names, dtype_name, meta, log, rows=None):
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.detach())
         curves[name] = torch.stack(losses).float().cpu()
-        rows.extend(dict(meta, kind="loss", dtype=dtype_name,
-                      tokens=f"{CURVE_TOKENS[0]}x{CURVE_TOKENS[1]}", implementation=name, step=step, loss=value.item())
+        rows.extend(dict(meta, kind="loss", dtype=dtype_name, tokens=f"{CURVE_TOKENS[0]}x{CURVE_TOKENS[1]}",
+                         implementation=name, step=step, loss=value.item())
                     for step, value in enumerate(curves[name]))
     for p, value in zip(lora, start):
         p.data.copy_(value)
@@ -558,7 +547,6 @@ def loss_curves(model, router, names, dtype_name, meta, log, rows=None):
     log(f"loss curves {dtype_name}, {CURVE_STEPS} steps: " + ", ".join(
         f"{name} {curve[0]:.4f} -> {curve[-1]:.4f} (max diff from bitsandbytes "
         f"{(curve - curves['bitsandbytes']).abs().max():.3g})" for name, curve in curves.items()))
-    return rows
 
 
 class SavedRows(list):
@@ -603,17 +591,16 @@ def run(dtype_name, layers, rounds, model_folder, meta, log=print, with_unsloth=
     training = list(dict.fromkeys(name for name in TRAINING if name in names))
     rows = [] if path is None else SavedRows(path)
     bodies = {
-        "decode": lambda: bench_decode(model, router, names, dtype_name, rounds, meta, log, batches, rows),
-        "prefill": lambda: bench_prefill(model, router, names, dtype_name, rounds, meta, log, rows=rows),
-        "share": lambda: bench_share(model, router, names, dtype_name, meta, log, batches, rows),
+        "decode": lambda: bench_decode(model, router, names, dtype_name, rounds, meta, log, rows, batches),
+        "prefill": lambda: bench_prefill(model, router, names, dtype_name, rounds, meta, log, rows),
+        "share": lambda: bench_share(model, router, names, dtype_name, meta, log, rows, batches),
         "train": lambda: rows.extend(modelbench.bench_train(modelbench.add_lora(model), size, dtype_name, rounds,
                                                             dict.fromkeys(training), meta, log,
                                                             tokens=TRAIN_TOKENS, route_to=router)),
         "curves": lambda: loss_curves(model, router, training, dtype_name, meta, log, rows),
-        "floor": lambda: bench_floor(model, router, dtype_name, rounds, meta, log, batches, rows=rows),
-        "compiled": lambda: bench_floor(model, router, dtype_name, rounds, meta, log, batches, compiled=True,
-                                        rows=rows),
-        "merged": lambda: bench_merged(model, router, dtype_name, rounds, meta, log, batches, rows),
+        "floor": lambda: bench_floor(model, router, dtype_name, rounds, meta, log, rows, batches),
+        "compiled": lambda: bench_floor(model, router, dtype_name, rounds, meta, log, rows, batches, compiled=True),
+        "merged": lambda: bench_merged(model, router, dtype_name, rounds, meta, log, rows, batches),
     }
     for section in (bodies[name] for name in SECTIONS if name in sections):
         try:
