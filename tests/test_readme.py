@@ -220,6 +220,30 @@ def test_h200_paragraph_is_the_results():
         assert fragment in text, fragment
 
 
+def test_h200_unsloth_sentence_is_the_results():
+    """The H200's runs with Unsloth imported (8 layers): every ratio of Unsloth and of the drop-in over bitsandbytes,
+    bf16 / fp16 where they differ, from its CSVs."""
+    h200 = os.path.join(ROOT, "results", "nvidia-h200")
+    speedups = [serve(dtype, "_unsloth", h200)[1] for dtype in ("bf16", "fp16")]
+
+    def ratio(kind, tokens, name):
+        bf16, fp16 = (f"{speedup[kind, tokens, name]:.2f}x" for speedup in speedups)
+        return bf16 if bf16 == fp16 else f"{bf16} / {fp16}"
+
+    def figures(name):
+        decode = [ratio("decode", tokens, name) for tokens in DECODE]
+        return (f"decode {decode[0]}{' at batch 1' if name == 'unsloth' else ''}, {decode[1]}"
+                f"{' at 8' if name == 'unsloth' else ''}, {decode[2]}{' at 32' if name == 'unsloth' else ''}, "
+                f"{decode[3]}{' at 64' if name == 'unsloth' else ''}; prefill 1x128 {ratio('prefill', PREFILL[0], name)}; "
+                f"QLoRA {ratio('qlora-step', '4x1024', name)}, with checkpointing "
+                f"{ratio('qlora-step-checkpointed', '4x1024', name)}.")
+
+    text = " ".join(readme().split())
+    text = text[text.index("On the H200 (`nvidia-h200/serve_*_unsloth.csv`"):text.index("- **Targets**")]
+    for fragment in (f"Unsloth: {figures('unsloth')}", f"The drop-in in the same runs: {figures('nf4-triton')}"):
+        assert fragment in text, fragment
+
+
 def test_compiled_table_is_the_results():
     """The compiled decode table (bf16, all 32 layers): every cell from the CSV, the floor where it ran."""
     (table,) = [table for table in tables(readme()) if table[0][0] == "decode, 32 layers, compiled"]
