@@ -40,7 +40,6 @@ import fastpath
 import kernel
 import matmul
 import quantstate
-from fastpath import device_facts
 
 __all__ = ["enable", "disable", "is_enabled", "siblings_of", "Siblings", "SIBLINGS", "fused_route", "bitsandbytes_forward",
            "bitsandbytes_rule", "bitsandbytes_fuses", "bitsandbytes_fused_matmul"]
@@ -339,7 +338,7 @@ def fused_route(x, quant_state):
     out_features, in_features = (int(dim) for dim in quant_state.shape)
     if x.shape[-1] != in_features or in_features == 0:
         return None
-    route = matmul.choose_route(device_facts(x.device)[0], x.numel() // in_features, in_features, out_features)
+    route = matmul.device_route(x.device, x.numel() // in_features, in_features, out_features)
     return route if route.path == "fused" else None
 
 

@@ -37,9 +37,9 @@ from fastpath import INTERPRET, device_facts, jit, sum_combine
 from kernel import TL_DTYPE, add_rn, decode, fp32_to_bf16_rne, lookup, mul_ftz
 
 __all__ = ["nf4_linear", "nf4_linear_group", "group_plan", "GroupPlan", "GROUP_MAX_ROWS", "linear_group", "linear_by_route",
-           "linear_unchecked", "check_call", "route_taken", "decoded_weight", "choose_route", "Route", "MatmulConfig",
-           "MATMUL_ROUTES", "TL_ROUTES", "routes_for", "mma_runs_on", "mma_supported", "mma_kernel", "LAUNCHES",
-           "nf4_matmul_kernel", "split_k_reduce_kernel"]
+           "linear_unchecked", "check_call", "route_taken", "decoded_weight", "choose_route", "device_route", "Route",
+           "MatmulConfig", "MATMUL_ROUTES", "FAST_DRAM_ROUTES", "TL_ROUTES", "routes_for", "mma_runs_on",
+           "mma_supported", "mma_kernel", "LAUNCHES", "nf4_matmul_kernel", "split_k_reduce_kernel"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -481,6 +481,11 @@ MATMUL_ROUTES = {
 DEFAULT_ROUTES = (Route(16, "fused", _MMA_TILE(block_m=16)),)
 MATMUL_ROUTES.update({capability: DEFAULT_ROUTES for capability in ((8, 0), (8, 6), (8, 9))})
 MATMUL_ROUTES[(7, 5)] = TL_DEFAULT_ROUTES
+# GPUs whose DRAM peaks at kernel.FAST_DRAM_GBPS or more (the H200) dequantize from 129 rows: there the dequantization
+# is faster and dequantize + cuBLAS beats wgmma's two 128-row tiles at 256 rows, 87.6 against 109.2 us at 14336x4096
+# and 314.1 against 346.2 at 28672x8192 in bf16 (H100: 112.7 against 108.0, 400.6 against 338.0); at 128 rows the
+# fused tiles still win, 58.5 against 79.0 and 212.4 against 278.5 (NOTES.md item 109)
+FAST_DRAM_ROUTES = {(9, 0): tuple(route for route in MATMUL_ROUTES[(9, 0)] if route.max_rows <= 128)}
 _DEQUANTIZE = Route(2**62, "dequantize")
 
 
@@ -490,24 +495,34 @@ def mma_runs_on(capability):
     return mma.AVAILABLE and not INTERPRET and torch.version.hip is None and tuple(capability) >= (8, 0)
 
 
-def routes_for(capability, routes=None):
+def routes_for(capability, routes=None, dram_gbps=0):
     """The routes of a table (``MATMUL_ROUTES``, or ``TL_ROUTES`` where mma.py's kernel cannot run)
-    for a GPU of ``capability``; a GPU the table does not name takes its default."""
+    for a GPU of ``capability`` whose DRAM peaks at ``dram_gbps`` (``FAST_DRAM_ROUTES`` from
+    ``kernel.FAST_DRAM_GBPS``); a GPU the table does not name takes its default."""
     table = MATMUL_ROUTES if routes is None else routes
+    if table is MATMUL_ROUTES and dram_gbps >= kernel.FAST_DRAM_GBPS and tuple(capability) in FAST_DRAM_ROUTES:
+        return FAST_DRAM_ROUTES[tuple(capability)]
     return table.get(tuple(capability), DEFAULT_ROUTES if table is MATMUL_ROUTES else TL_DEFAULT_ROUTES)
 
 
-def choose_route(capability, rows, in_features, out_features, routes=None):
+def choose_route(capability, rows, in_features, out_features, routes=None, dram_gbps=0):
     """The Route for ``rows`` rows of x against an (out_features, in_features) weight on a GPU of
-    ``capability``, from ``routes`` (``routes_for``): a pure function of the five. A route of more than
-    256 columns a step, or of K slices across warps, is passed over where its columns do not divide K."""
-    for route in routes_for(capability, routes):
+    ``capability`` whose DRAM peaks at ``dram_gbps``, from ``routes`` (``routes_for``): a pure function
+    of the six. A route of more than 256 columns a step, or of K slices across warps, is passed over
+    where its columns do not divide K."""
+    for route in routes_for(capability, routes, dram_gbps):
         if (rows <= route.max_rows and in_features * out_features >= route.min_weight
                 and route.min_in <= in_features <= route.max_in and out_features >= route.min_out
                 and (route.config is None or (route.config.block_k <= 256 and route.config.kwarps == 1)
                      or in_features % (route.config.block_k * route.config.kwarps) == 0)):
             return route
     return _DEQUANTIZE
+
+
+def device_route(device, rows, in_features, out_features, routes=None):
+    """``choose_route`` for a call on ``device`` (None: the current CUDA device), from its ``device_facts``."""
+    capability, _, dram_gbps = device_facts(device)
+    return choose_route(capability, rows, in_features, out_features, routes, dram_gbps)
 
 
 def _run(kernel_fn, grid, args, options, out_at=None):
@@ -759,8 +774,7 @@ def nf4_linear(x, weight, quant_state=None, bias=None):
     """
     packed, qs, out_features, in_features = _validated(x, weight, quant_state, bias)
     rows = x.numel() // in_features if in_features else 0
-    capability = device_facts(x.device)[0]
-    route = choose_route(capability, rows, in_features, out_features)
+    route = device_route(x.device, rows, in_features, out_features)
     return linear_unchecked(x, packed, qs, bias, route, out_features, in_features)  # checked by _validated
 
 
@@ -840,7 +854,7 @@ def group_plan(x2d, states):
         layouts.append(quantstate.checked_state(packed, qs))
         formats.append(layouts[-1][1:4] + (qs.quant_type, layouts[-1][4][1].dtype, packed.device))
     rows = [int(qs.shape[0]) for _, qs in states]
-    route = choose_route(device_facts(x2d.device)[0], x2d.shape[0], x2d.shape[1], sum(rows))
+    route = device_route(x2d.device, x2d.shape[0], x2d.shape[1], sum(rows))
     config = route.config
     if (route.path != "fused" or not config.mma or len(set(formats)) != 1 or formats[0][-1] != x2d.device
             or not _fused_supported(formats[0][0], x2d.shape[1], x2d)
@@ -947,7 +961,7 @@ def route_taken(x2d, out_features, blocksize, route):
     fallbacks to dequantize of ``linear_by_route`` (an empty call, a layout the fused kernels do not
     read, bitsandbytes under the interpreter or torch.compile)."""
     if route.path == "fused" and route.config.mma and not mma_supported(x2d, x2d.shape[1], blocksize, route.config):
-        return choose_route(device_facts(x2d.device)[0], x2d.shape[0], x2d.shape[1], out_features, TL_ROUTES)
+        return device_route(x2d.device, x2d.shape[0], x2d.shape[1], out_features, TL_ROUTES)
     return route
 
 

@@ -222,7 +222,9 @@ def sweep(dtype, layers, rows, configs, log=print):
 def fused_config(rows, in_features, out_features):
     """The fused kernel's configuration for a point: the route's where it is fused, else that of the
     first fused route for as many rows (the benchmark times the kernel at every point); from
-    ``TL_ROUTES`` where mma.py's kernel cannot run (Triton before 3.6, the interpreter, sm_75)."""
+    ``TL_ROUTES`` where mma.py's kernel cannot run (Triton before 3.6, the interpreter, sm_75). The
+    capability's table whatever the DRAM (``matmul.FAST_DRAM_ROUTES``): the tiles an H200 passes over
+    are timed there too."""
     capability = fastpath.device_facts()[0]
     table = matmul.MATMUL_ROUTES if matmul.mma_runs_on(capability) else matmul.TL_ROUTES
     route = matmul.choose_route(capability, rows, in_features, out_features, table)
@@ -255,7 +257,6 @@ def run(dtypes, rounds, rooflines, meta, log=print, layers=LAYERS, rows=ROWS):
     CUDA graph runs on the copy engines, 2434 against 3014 GB/s on the H100."""
     bandwidth = rooflines["profiler"]
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    capability = fastpath.device_facts()[0]
     table = []
     for dtype_name, dtype in dtypes.items():
         tflops = dense_tflops(dtype)
@@ -267,7 +268,7 @@ def run(dtypes, rounds, rooflines, meta, log=print, layers=LAYERS, rows=ROWS):
                 x = torch.randn(m, in_features, device="cuda", dtype=dtype)
                 roofline_us = max(nf4_bytes(in_features, out_features) / bandwidth / 1e3,
                                   2 * m * in_features * out_features / tflops / 1e6)
-                route = matmul.choose_route(capability, m, in_features, out_features)
+                route = matmul.device_route(None, m, in_features, out_features)
                 with torch.no_grad():
                     calls = contenders(copies, x, out_features)
                     samples = {name: [] for name in calls}
@@ -333,7 +334,6 @@ def notebook_points(dtype_name, dtype, layer, rows, rounds, rooflines=None, meta
     kernels (CUDA only) are not timed."""
     in_features, out_features = layer
     device = "cpu" if fastpath.INTERPRET else "cuda"
-    capability = fastpath.device_facts()[0]
     if rooflines is not None:
         timer = "GPU time per call, us (CUDA graphs)"
         timed = {(row["rows"], row["implementation"]): row for row in run(
@@ -354,7 +354,7 @@ def notebook_points(dtype_name, dtype, layer, rows, rounds, rooflines=None, meta
         else:
             calls = contenders([base], x, out_features)
             times = wall_clock_us({name: calls[name][0] for name in shown}, rounds)
-        points.append(dict(M=m, **times, route=matmul.choose_route(capability, m, in_features, out_features).path,
+        points.append(dict(M=m, **times, route=matmul.device_route(None, m, in_features, out_features).path,
                            max_difference=difference, max_y=largest))
     return timer, points
 

@@ -16,7 +16,6 @@ import weakref
 import pytest
 import torch
 
-import fastpath
 import kernel
 import matmul
 import mma
@@ -62,8 +61,7 @@ def assert_contract(y, x, packed, state, bias=None):
     table's at one or two rows on the H100, where mma.py's tile does not fit the call), else within
     the bound of the exact decode."""
     rows, (out_features, in_features) = x.numel() // x.shape[-1], state.shape
-    capability = fastpath.device_facts(x.device)[0]
-    route = matmul.choose_route(capability, rows, in_features, out_features)
+    route = matmul.device_route(x.device, rows, in_features, out_features)
     if matmul.route_taken(x.reshape(-1, in_features), out_features, state.blocksize, route).path == "bitsandbytes":
         import bitsandbytes
 
@@ -392,6 +390,24 @@ def test_routes_are_well_formed():
     assert route((9, 0), 16, 4096, 14336, matmul.TL_ROUTES).config.block_n == 64
     assert route((9, 0), 64, 4096, 4096, matmul.TL_ROUTES).path == "dequantize"
     assert route((9, 0), 4096, 4096, 14336).path == "dequantize"
+
+
+def test_fast_dram_dequantizes_from_129_rows():
+    """sm_90 with a DRAM peak of FAST_DRAM_GBPS or more (the H200) takes the H100's routes up to 128 rows and
+    dequantize + cuBLAS beyond, where the H100 takes wgmma's 256-row tiles (NOTES.md item 109)."""
+    h200, h100 = 4814, 3352  # test_peak_dram_gbps's two devices
+    shapes = [(4096, 14336), (14336, 4096), (8192, 28672), (28672, 8192), (4096, 4096), (4096, 1024), (8192, 8192)]
+    for shape in shapes:
+        for rows in (1, 2, 3, 8, 16, 17, 64, 100, 128):
+            assert matmul.choose_route((9, 0), rows, *shape, dram_gbps=h200) == matmul.choose_route((9, 0), rows, *shape)
+        for rows in (129, 200, 256, 512):
+            assert matmul.choose_route((9, 0), rows, *shape, dram_gbps=h200).path == "dequantize", (shape, rows)
+    assert all(matmul.choose_route((9, 0), 256, *shape, dram_gbps=h100).path == "fused" for shape in shapes[:4])
+    assert matmul.choose_route((9, 0), 256, 4096, 14336, dram_gbps=kernel.FAST_DRAM_GBPS - 1).path == "fused"
+    assert matmul.choose_route((9, 0), 256, 4096, 14336, dram_gbps=kernel.FAST_DRAM_GBPS).path == "dequantize"
+    # the DRAM rule is sm_90's alone, and not the tl table's (which stops at 128 rows)
+    assert matmul.routes_for((8, 0), dram_gbps=h200) is matmul.routes_for((8, 0))
+    assert matmul.routes_for((9, 0), matmul.TL_ROUTES, h200) is matmul.TL_ROUTES[(9, 0)]
 
 
 def test_mma_route_falls_back_to_the_tl_table():

@@ -220,6 +220,24 @@ def test_h200_paragraph_is_the_results():
         assert fragment in text, fragment
 
 
+def test_h200_matmul_sentence_is_the_results():
+    """The H200's fused matmul: one row of 4096x14336 against bitsandbytes' GEMV, and 256 rows of 14336x4096 routed to
+    dequantize + cuBLAS against the fused tile, bf16, from its matmul.csv."""
+    measured = {(row["shape"], row["rows"], row["implementation"]): row
+                for row in rows(os.path.join(ROOT, "results", "nvidia-h200", "matmul.csv"), dtype="bf16")}
+
+    def us(shape, m, name):
+        return f"{float(measured[shape, m, name]['median_us']):.1f}"
+
+    assert measured["14336x4096", "256", "nf4_linear (routed)"]["route"] == "dequantize"
+    text = " ".join(readme().split())
+    for fragment in (f"4096x14336 in bf16 in {us('4096x14336', '1', 'nf4_linear (routed)')} us (bitsandbytes' GEMV "
+                     f"{us('4096x14336', '1', 'bitsandbytes')})",
+                     f"{us('14336x4096', '256', 'nf4_linear (routed)')} us at 256 rows of 14336x4096 in bf16 against the tile's "
+                     f"{us('14336x4096', '256', 'fused kernel')}"):
+        assert fragment in text, fragment
+
+
 def test_h200_unsloth_sentence_is_the_results():
     """The H200's runs with Unsloth imported (8 layers): every ratio of Unsloth and of the drop-in over bitsandbytes,
     bf16 / fp16 where they differ, from its CSVs."""
