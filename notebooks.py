@@ -303,8 +303,8 @@ up/gate layer (4096 in, 14336 out) in <<dtype>> over M rows of x: the fused kern
 bitsandbytes' own 4-bit matmul, by the repository's benchmark (`matmulbench.py`: GPU time per call
 from CUDA graphs over enough weight copies to be read from memory, the roofline measured here), and
 the fused result against dequantize + `F.linear`. `matmul.choose_route` picks one of the three per
-GPU and row count; its routes were measured on the H100 only, so on any other GPU, the <<gpu>>
-included, they are reasoned, not measured."""),
+GPU and row count; its routes were measured on the H100 and the H200, so on any other GPU, the
+<<gpu>> included, they are reasoned, not measured."""),
     ("code", "matmul", r"""import matmul
 import matmulbench
 

@@ -410,6 +410,14 @@ def test_fast_dram_dequantizes_from_129_rows():
     assert matmul.routes_for((9, 0), matmul.TL_ROUTES, h200) is matmul.TL_ROUTES[(9, 0)]
 
 
+@pytest.mark.parametrize("peak,path", [(4814, "dequantize"), (3352, "fused")], ids=["h200", "h100"])
+def test_device_route_reads_the_dram_peak(monkeypatch, peak, path):
+    """A call's route takes its device's DRAM peak, not its capability alone: 256 rows of 14336x4096 on sm_90."""
+    monkeypatch.setattr(matmul, "device_facts", lambda device=None: ((9, 0), 50 << 20, peak))
+    for device in (torch.device("cuda", 0), None):
+        assert matmul.device_route(device, 256, 14336, 4096).path == path
+
+
 def test_mma_route_falls_back_to_the_tl_table():
     """Where mma.py's kernel cannot run (here: fp32 x, or the interpreter), an mma route computes
     through the tl table's route for the same call, within the same bound."""

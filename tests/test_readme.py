@@ -238,6 +238,24 @@ def test_h200_matmul_sentence_is_the_results():
         assert fragment in text, fragment
 
 
+def test_notebook_matmul_sentence_is_its_output():
+    """The fused kernel's times the README quotes from the L4 notebook's committed matmul table (bf16, 4096x14336)."""
+    import json
+
+    with open(os.path.join(ROOT, "nf4_dequant_L4.ipynb"), encoding="utf-8") as handle:
+        outputs = ["".join(output.get("text", [])) for cell in json.load(handle)["cells"]
+                   for output in cell.get("outputs", [])]
+    (table,) = [text for text in outputs if text.startswith("4096x14336 (in x out), bf16: GPU time per call")]
+    lines = table.splitlines()
+    names = lines[1].replace("dequantize + F.linear", "dequantize").replace("fused kernel", "fused").split()
+    column = 1 + names.index("fused")  # each row starts with its M
+    fused = {line.split()[0]: line.split()[column] for line in lines[3:] if line.split() and line.split()[0].isdigit()}
+    rows = ("1", "8", "16", "32", "64", "128")
+    expected = (f"gives the fused kernel {' / '.join(fused[m] for m in rows)} us at {' / '.join(rows)} rows of "
+                "4096x14336 in bf16")
+    assert expected in " ".join(readme().split()), expected
+
+
 def test_h200_unsloth_sentence_is_the_results():
     """The H200's runs with Unsloth imported (8 layers): every ratio of Unsloth and of the drop-in over bitsandbytes,
     bf16 / fp16 where they differ, from its CSVs."""
