@@ -96,8 +96,8 @@ def harness_floor():
     first_out = torch.empty(1, device="cuda")
     compiled = _empty_kernel[(1,)](first_out, first_out)
     pointer = first_out.data_ptr()
-    launch = fastpath.kernel_launcher(compiled, 1, (), (), torch._C._cuda_getCurrentRawStream(first_out.device.index),
-                                      pointer, pointer)
+    launch = fastpath.kernel_launcher(compiled, 1, (pointer, pointer), (0, 1),
+                                      torch._C._cuda_getCurrentRawStream(first_out.device.index))
 
     def fx(layer):
         state = layer.weight.quant_state

@@ -9,10 +9,12 @@ behind an Accelerate hook, the ``_old_forward`` the hook calls), and the weight 
 never written. Only a layer whose forward is bitsandbytes' own is routed: a subclass that overrides
 it keeps its forward. The routed forward pickles and deep-copies with its module.
 
-Forward computes ``x @ W.t() (+ bias)`` with W dequantized by the kernel; backward dequantizes W
-again rather than keeping it alive between the two (as bitsandbytes does). With the same W, both
-are bitsandbytes' own arithmetic (``F.linear`` forward, ``matmul(grad, W)`` backward), so logits
-and input gradients are bit-exact wherever bitsandbytes dequantizes too.
+With a gradient, forward computes ``x @ W.t() (+ bias)`` with W dequantized by the kernel, or, where
+bitsandbytes' own rule takes its fused 4-bit matmul for those rows, calls that op as bitsandbytes'
+forward does; backward dequantizes W again rather than keeping it alive between the two (as
+bitsandbytes does) and sums the bias' gradient as bitsandbytes' backward does. With the same W these
+are bitsandbytes' own arithmetic, so outputs and input and bias gradients are its bits at every row
+count.
 
 Inference (no gradient) on a GPU takes ``matmul.choose_route``'s path for its row count: the fused
 NF4 matmul where it is the fastest (on the H100 from 1 to 256 rows, to 128 or 256 rows by the
@@ -121,7 +123,7 @@ class Siblings:
 
     def __init__(self, layers):
         self.layers = layers
-        # (the input, its version, the outputs computed from it, None where taken): one attribute, read
+        # (the input, its fingerprint, the outputs computed from it, None where taken): one attribute, read
         # once, so that a call on another thread never pairs one call's input with another's outputs
         self.held = None
         self.misses = 0  # launches in a row whose outputs were dropped before every member took its own
@@ -132,12 +134,12 @@ class Siblings:
         return self.valid and self.misses < self.MOST_MISSES
 
     def take(self, index, x):
-        """Member ``index``'s output computed from this very ``x`` as it is now, or None. Another input, or
-        this one changed in place since, drops what is held: no later call can take it."""
+        """Member ``index``'s output computed from this very ``x`` as it is now (``_fingerprint``), or None.
+        Another input, or this one changed since, drops what is held: no later call can take it."""
         held = self.held
         if held is None:
             return None
-        if held[0] is not x or held[1] != _version(x):
+        if held[0] is not x or held[1] != _fingerprint(x):
             self.held = None
             self.misses += 1
             return None
@@ -154,18 +156,25 @@ class Siblings:
     def hold(self, x, outputs):
         if self.held is not None:  # the last launch's outputs, some never taken
             self.misses += 1
-        self.held = (x, _version(x), (None,) + tuple(outputs[1:]))
+        self.held = (x, _fingerprint(x), (None,) + tuple(outputs[1:]))
 
     def __getstate__(self):  # a copy or a pickle holds no activations
         return dict(self.__dict__, held=None)
 
 
-def _version(x):
-    """x's version counter, which every change in place bumps; None where it cannot be read: an
-    inference tensor keeps none, and in a compiled graph it is a value of the graph."""
-    if torch.compiler.is_compiling() or x.is_inference():
+def _fingerprint(x):
+    """What shows that x is still the input a group computed from: its version counter, which every change in
+    place bumps, and its data pointer, storage offset, shape and strides, which ``x.data = other`` and
+    ``x.set_(...)`` move without it. None inside a compiled graph, where the version is a value of the graph
+    and a fake tensor has no address (identity alone serves there); an inference tensor keeps no version
+    (None in its place). A write through another tensor over the same memory (``x.data.mul_``, a ``set_``
+    or ``numpy()`` alias) changes none of these: README, "Merged projections"."""
+    if torch.compiler.is_compiling():
         return None
-    return x._version
+    try:
+        return (None if x.is_inference() else x._version, x.data_ptr(), x.storage_offset(), x.shape, x.stride())
+    except RuntimeError:  # no storage to point at (a wrapper subclass): a fingerprint no later call matches
+        return object()
 
 
 def _own_forward_slot(module):
@@ -245,6 +254,19 @@ def bitsandbytes_fuses(x, dtype, quant_state):
     if m > max_rows or k % quant_state.blocksize:
         return False
     return fused(x.device.index, dtype, m, quant_state.shape[0], k)
+
+
+def _bitsandbytes_op_with_grad(x, quant_state):
+    """Whether the forward with a gradient calls bitsandbytes' fused 4-bit op, as its ``MatMul4Bit`` does
+    where the op's rule takes the fused kernel: eagerly where ``bitsandbytes_fuses`` (elsewhere the drop-in's
+    dequantize gives the op's bits); in a compiled graph, whose rows the op sees only when it runs, wherever
+    the rule may fuse (its most rows, a whole number of blocks along K), the op choosing for itself."""
+    if not torch.compiler.is_compiling():
+        return bitsandbytes_fuses(x, x.dtype, quant_state)
+    if not x.is_cuda or x.dim() == 0 or x.shape[-1] % quant_state.blocksize:
+        return False
+    rule = bitsandbytes_rule()
+    return rule is not None and x.numel() // x.shape[-1] <= rule[0]
 
 
 def _quant_state(module):
@@ -368,13 +390,21 @@ def bitsandbytes_fused_matmul(x, packed, quant_state, bias):
 
 
 class _DequantizedLinear(torch.autograd.Function):
-    """``F.linear(x, W, bias)`` with W dequantized in forward and again in backward."""
+    """bitsandbytes' ``MatMul4Bit`` with W dequantized by the drop-in's ``dequantize``: forward through
+    bitsandbytes' fused op where its rule takes it for these rows, else ``F.linear(x, W, bias)``; backward
+    ``grad @ W`` (W dequantized again) and the bias' gradient summed over dim 0 in its dtype, the rest of the
+    leading dimensions left to autograd, as bitsandbytes' backward does."""
 
     @staticmethod
     def forward(ctx, x, packed, quant_state, bias, dequantize):
         # Held as attributes, not saved tensors: saved-tensor hooks (activation offloading) would
         # copy the packed weight every step.
         ctx.packed, ctx.quant_state, ctx.dequantize = packed, quant_state, dequantize
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        if _bitsandbytes_op_with_grad(x, quant_state):
+            y = bitsandbytes_fused_matmul(x, packed, quant_state, bias)
+            if y is not None:
+                return y
         return F.linear(x, _weight(dequantize, packed, quant_state), bias)
 
     @staticmethod
@@ -384,5 +414,7 @@ class _DequantizedLinear(torch.autograd.Function):
             weight = _weight(ctx.dequantize, ctx.packed, ctx.quant_state)
             grad_x = torch.matmul(grad_output, weight.to(grad_output.dtype))
         if ctx.needs_input_grad[3]:
-            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
+            # bitsandbytes sums dim 0 alone (in the bias' dtype); autograd reduces what is left to the bias'
+            # shape, so a 3-D or 4-D input's sum is bitsandbytes' to the bit. A 1-D input's gradient is the bias'.
+            grad_bias = grad_output.sum(0, dtype=ctx.bias_dtype) if grad_output.dim() > 1 else grad_output
         return grad_x, None, None, grad_bias, None

@@ -40,7 +40,8 @@ import torch
 import triton
 
 __all__ = ["INTERPRET", "ENABLED", "jit", "sum_combine", "interpret", "device_facts", "peak_dram_gbps",
-           "launch_hooks_active", "kernel_launcher", "interpreter_launcher", "can_watch", "LaunchPlan", "PlanCache"]
+           "empty_cuda", "launch_hooks_active", "kernel_launcher", "interpreter_launcher", "run", "can_watch", "LaunchPlan",
+           "PlanCache"]
 
 # Without CUDA, CPU tensors through Triton's interpreter, chosen here for the project's kernels
 # alone: TRITON_INTERPRET is read, never set, so other Triton code in the process is left as the
@@ -107,9 +108,9 @@ def device_facts(device=None):
 # Inductor's allocation entry: an empty CUDA tensor on the current device, past torch.empty's
 # dispatcher (2.1 against 5.0 us per call on the H100 host, NOTES.md item 57).
 try:
-    from torch._C._dynamo.guards import _empty_strided_cuda as _empty_cuda
+    from torch._C._dynamo.guards import _empty_strided_cuda as empty_cuda
 except ImportError:
-    def _empty_cuda(size, strides, dtype):
+    def empty_cuda(size, strides, dtype):
         return torch.empty_strided(size, strides, dtype=dtype, device="cuda")
 
 
@@ -128,7 +129,7 @@ else:  # Triton 3.3: plain attributes of CompiledKernel, None when unset
 
 
 # --------------------------------------------------------------------------------------------
-# Launching again: f(stream, input_ptr, out_ptr)
+# Launching again: f(stream, *pointers)
 # --------------------------------------------------------------------------------------------
 class _LaunchRecorder:
     """Stands in for a Triton launcher while the launcher's own ``__call__`` runs: records what it
@@ -177,20 +178,42 @@ def _direct_launch(run, grid, function, metadata, args, stream):
     return launch, first, as_tuple
 
 
-def kernel_launcher(compiled, grid, head, tail, stream, input_ptr, out_ptr):
-    """f(stream, input_ptr, out_ptr): launches ``compiled`` on ``grid`` (programs along x, or an
-    (x, y, z) tuple) with the arguments ``input_ptr``, ``head``, ``out_ptr``, ``tail`` (integers),
-    through Triton's C launch function directly where that is safe.
+def _splicer(args, varying):
+    """f(*pointers): ``args`` with the pointers at positions ``varying`` (three, the first 0)."""
+    first_at, second_at, third_at = varying
+    assert first_at == 0 < second_at < third_at, varying
+    head, middle, tail = args[1:second_at], args[second_at + 1:third_at], args[third_at + 1:]
+    return lambda first, second, third: (first, *head, second, *middle, third, *tail)
+
+
+def kernel_launcher(compiled, grid, args, varying, stream):
+    """f(stream, *pointers): launches ``compiled`` on ``grid`` (programs along x, or an (x, y, z) tuple)
+    with ``args`` (integers: the kernel's arguments, then its constexprs), those at positions ``varying``
+    (two or three, ascending, the first 0) replaced by the pointers a call passes; through Triton's C
+    launch function directly where that is safe.
 
     Triton's Python launcher (``compiled.run``) prepares scratch buffers per call and then calls
     its C launch function; with no scratch buffers its call is a plain forwarding call, so the
     arguments it forwards are recorded here and passed straight on (NOTES.md, item 33). Any other
-    shape of call keeps Triton's launcher. ``stream``, ``input_ptr`` and ``out_ptr`` are those of a
-    launch just made: the recording runs the launcher's Python with them, so a launcher that
-    launched by some other route would only repeat that launch."""
+    shape of call keeps Triton's launcher. ``stream`` and ``args`` are those of a launch just made:
+    the recording runs the launcher's Python with them, so a launcher that launched by some other
+    route would only repeat that launch."""
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-    gx, gy, gz = (grid, 1, 1) if isinstance(grid, int) else grid
-    direct = _direct_launch(run, (gx, gy, gz), function, metadata, (input_ptr,) + head + (out_ptr,) + tail, stream)
+    gx, gy, gz = (grid, 1, 1) if isinstance(grid, int) else (*grid, 1, 1)[:3]
+    args = tuple(args)
+    direct = _direct_launch(run, (gx, gy, gz), function, metadata, args, stream)
+    if len(varying) == 3:  # a third pointer (the split-K partial sums): the arguments spliced per call
+        splice = _splicer(args, varying)
+        if direct is None:
+            return lambda stream, *pointers: run(gx, gy, gz, stream, function, metadata, None, None, None,
+                                                 *splice(*pointers))
+        launch, extras, as_tuple = direct
+        if as_tuple:
+            return lambda stream, *pointers: launch(gx, gy, gz, stream, function, *extras, splice(*pointers))
+        return lambda stream, *pointers: launch(gx, gy, gz, stream, function, *extras, *splice(*pointers))
+    first_at, out_at = varying  # the launch plans' (input, output): the fewest host operations a call
+    assert first_at == 0, varying
+    head, tail = args[1:out_at], args[out_at + 1:]
     if direct is None:
         def via_triton(stream, input_ptr, out_ptr):
             run(gx, gy, gz, stream, function, metadata, None, None, None, input_ptr, *head, out_ptr, *tail)
@@ -215,19 +238,36 @@ def _at_address(address, dtype, numel):
     return torch.frombuffer(memory, dtype=dtype, count=numel)
 
 
-def interpreter_launcher(kernel, grid, args, out_at, options):
-    """f(stream, input_ptr, out_ptr) for CPU tensors, like ``kernel_launcher`` on the GPU: the
-    interpreter's ``kernel`` over the addresses of ``args`` recorded now (wrapped as tensors again,
-    as the GPU's launch passes them), its first argument and argument ``out_at`` where given."""
+def interpreter_launcher(kernel, grid, args, varying, options):
+    """f(stream, *pointers) for CPU tensors, like ``kernel_launcher`` on the GPU: the interpreter's
+    ``kernel`` over the addresses of ``args`` recorded now (wrapped as tensors again, as the GPU's
+    launch passes them), those at positions ``varying`` replaced by the pointers a call passes."""
     recorded = [(arg.data_ptr(), arg.dtype, arg.numel()) if isinstance(arg, torch.Tensor) else None for arg in args]
     values = [None if place else arg for arg, place in zip(args, recorded)]
 
-    def launch_kernel(stream, input_ptr, out_ptr):
-        addresses = {0: input_ptr, out_at: out_ptr}
+    def launch_kernel(stream, *pointers):
+        addresses = dict(zip(varying, pointers))
         interpret(kernel, grid, [value if place is None else _at_address(addresses.get(at, place[0]), *place[1:])
                                  for at, (value, place) in enumerate(zip(values, recorded))], options)
 
     return launch_kernel
+
+
+def run(kernel, grid, args, options, varying=None):
+    """``kernel[grid](*args, **options)`` on the current CUDA device, whose current stream the first argument's
+    device names (the interpreter on CPU tensors, one launch at a time). With
+    ``varying`` (positions in ``args``, as ``kernel_launcher`` takes them), returns f(stream, *pointers) that
+    launches the same again with other pointers there and every other argument as now."""
+    if INTERPRET:
+        interpret(kernel, grid, args, options)
+        return None if varying is None else interpreter_launcher(kernel, grid, args, varying, options)
+    compiled = kernel[grid](*args, **options)
+    if varying is None:
+        return None
+    values = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
+    constexprs = tuple(options[name] for name in kernel.arg_names[len(args):])
+    stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
+    return kernel_launcher(compiled, grid, values + constexprs, varying, stream)
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,13 +305,13 @@ class LaunchPlan:
             out = torch.empty(size=self.size, dtype=self.dtype, device=self.device)
             self.launch_kernel(0, input_ptr, out.data_ptr())
         elif torch._C._cuda_getDevice() == index:
-            out = _empty_cuda(self.size, self.strides, self.dtype)
+            out = empty_cuda(self.size, self.strides, self.dtype)
             self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), input_ptr, out.data_ptr())
         else:  # Triton launches, and the allocator allocates, on the current device
             current = torch._C._cuda_getDevice()
             torch._C._cuda_setDevice(index)
             try:
-                out = _empty_cuda(self.size, self.strides, self.dtype)
+                out = empty_cuda(self.size, self.strides, self.dtype)
                 self.launch_kernel(torch._C._cuda_getCurrentRawStream(index), input_ptr, out.data_ptr())
             finally:
                 torch._C._cuda_setDevice(current)

@@ -399,13 +399,6 @@ class KernelArgs(typing.NamedTuple):
         """From a validated weight: its packed tensor, its (absmax, code, absmax2, code2, offset)."""
         return cls(packed, *tables, out, n_elements, n_bytes)
 
-    def around_out(self):
-        """(the arguments between packed_ptr and out_ptr, those after out_ptr): what a launch plan
-        passes unchanged, tensors as addresses."""
-        values = tuple(value.data_ptr() if isinstance(value, torch.Tensor) else value for value in self)
-        out_at = self._fields.index("out_ptr")
-        return values[1:out_at], values[out_at + 1:]
-
 
 def _launch(packed, tables, out, *, blocksize, blocksize2, nested, fp4, overrides=None, traced=False):
     """Launch the kernel into ``out`` for validated arguments. Returns f(stream, packed_ptr, out_ptr)
@@ -417,24 +410,18 @@ def _launch(packed, tables, out, *, blocksize, blocksize2, nested, fp4, override
                            fp4=fp4, overrides=overrides)
     args = KernelArgs.of(packed, tables, out, n_elements, launch.n_bytes)
     options = dict(num_warps=launch.num_warps, **launch.constexprs)
-    if INTERPRET:  # the interpreter's kernel is launched as it is (older torch refuses to wrap it)
-        fastpath.interpret(dequantize_4bit_kernel, launch.grid, args, options)
-        return None if traced else fastpath.interpreter_launcher(dequantize_4bit_kernel, launch.grid, args,
-                                                                 args._fields.index("out_ptr"), options)
-    if traced:
+    if traced and not INTERPRET:
         # Inside a graph the inline-PTX path is used whenever it exists, so no compile option is
         # needed to keep the scale free of FMAs (wrap_triton passes no compile options).
         torch.library.wrap_triton(dequantize_4bit_kernel)[launch.grid](*args, **options)
         return None
-    head, tail = args.around_out()
+    if not INTERPRET:
+        options.update(compile_options(launch.constexprs["USE_ASM"]))
+    varying = None if traced else (0, KernelArgs._fields.index("out_ptr"))
     # Triton launches on the current device: switch only when the weight lives on another one.
-    switch = out.device.index != torch.cuda.current_device()
+    switch = not INTERPRET and out.device.index != torch.cuda.current_device()
     with torch.cuda.device(out.device) if switch else contextlib.nullcontext():
-        compiled = dequantize_4bit_kernel[launch.grid](*args, **options, **compile_options(launch.constexprs["USE_ASM"]))
-        stream = torch._C._cuda_getCurrentRawStream(out.device.index)
-        constexprs = tuple(launch.constexprs[name] for name in dequantize_4bit_kernel.arg_names[len(args):])
-        return fastpath.kernel_launcher(compiled, launch.grid[0], head, tail + constexprs, stream, packed.data_ptr(),
-                                        out.data_ptr())
+        return fastpath.run(dequantize_4bit_kernel, launch.grid, args, options, varying)
 
 
 # --------------------------------------------------------------------------------------------

@@ -525,64 +525,62 @@ def device_route(device, rows, in_features, out_features, routes=None):
     return choose_route(capability, rows, in_features, out_features, routes, dram_gbps)
 
 
-def _run(kernel_fn, grid, args, options, out_at=None):
-    """A launch: Triton's JIT, or its interpreter one launch at a time (its grid is process-wide).
-    With ``out_at`` on the GPU, returns f(stream, input_ptr, out_ptr) that launches the same kernel
-    again with ``input_ptr`` for ``args[0]``, ``out_ptr`` for ``args[out_at]`` and every other
-    argument as now (``fastpath.kernel_launcher``)."""
-    if INTERPRET:
-        fastpath.interpret(kernel_fn, grid, args, options)
-        return None
-    compiled = kernel_fn[grid](*args, **options)
-    if out_at is None:
-        return None
-    values = [arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args]
-    constexprs = tuple(options[name] for name in kernel_fn.arg_names[len(args):])
-    return fastpath.kernel_launcher(compiled, grid, tuple(values[1:out_at]), tuple(values[out_at + 1:]) + constexprs,
-                                    torch._C._cuda_getCurrentRawStream(args[0].device.index), values[0],
-                                    values[out_at])
-
-
-# The fused matmul's launches, by everything they read but x and the output (the weight's and the
-# bias' addresses, the sizes, x's row stride, the alignments Triton specializes on, the config): a
-# repeated call replays them without Triton's argument binding. Host time a call through the
-# drop-in at 8 rows, one H100 host: 93 us with, 280 without (bitsandbytes' forward 97; NOTES.md
-# item 76). Under NF4_TRITON_PLANS=0 none is kept.
+# The fused matmul's launches, by everything they read but x, the output and the split-K partial sums (the
+# weight's and the bias' addresses, the sizes, x's row stride, the alignments Triton specializes on, the
+# config, the fold counters): a repeated call replays them without Triton's argument binding. Host time a
+# call through the drop-in at 8 rows, one H100 host: 93 us with, 280 without (bitsandbytes' forward 97;
+# NOTES.md item 76). Under NF4_TRITON_PLANS=0 none is kept.
 LAUNCHES = {}
 MOST_LAUNCHES = 4096
 
 
-# Split-K scratch: fp32 partial sums and the tile counters of the folded sum. A stream's eager
-# launches run one after another, so they share that stream's scratch (a fold leaves its counters
-# at zero); a launch captured into a CUDA graph takes partials from the graph's own pool and
-# counters never handed out again, so no replay shares them with another launch.
+# Split-K scratch. The fp32 partial sums are a call's own, from the caching allocator (stream-ordered, so no
+# other call, on any thread or stream, reads or writes them before this call's kernels are done with them):
+# a stream's scratch shared between calls let two threads' launches interleave between one call's fused
+# kernel and its reduction (NOTES.md item 110). The tile counters of a folded sum are one kernel's alone
+# while it runs, and it leaves them at zero, so each stream keeps one slice of them for its eager launches;
+# a launch captured into a CUDA graph takes counters never handed out again, so no replay shares them.
 FOLD_COUNTERS = 1 << 22  # int32 zeros a device keeps for folds (16 MiB), made at its first fold outside a capture
 STREAM_COUNTERS = 4096  # output tiles a stream's eager launches fold at most
-_SCRATCH = {}  # device index -> _Scratch
+_SCRATCH = {}  # device index -> _FoldCounters
 
 
-class _Scratch:
-    """One device's split-K scratch: the fold counters, handed out in slices, and each stream's partials
-    and slice."""
+class _FoldCounters:
+    """One device's fold counters, handed out in slices: one slice a stream, one a captured launch."""
 
     def __init__(self):
         self.counters = None
         self.handed_out = 0
-        self.streams = {}  # raw stream -> (partials, counters)
-        self.lock = threading.Lock()  # threads launching on different streams never get one slice
+        self.streams = {}  # raw stream -> its slice
+        self.lock = threading.Lock()  # two threads never get one slice, nor hand a stream two
 
-    def take(self, device, count, capturing):
-        """``count`` zero counters no one else holds, or None where too few are left."""
-        with self.lock:
-            if self.counters is None:
-                if capturing:
-                    return None
-                self.counters = torch.zeros(FOLD_COUNTERS, dtype=torch.int32, device=device)
-                torch.cuda.synchronize(device)  # zero before any stream reads them
-            if self.handed_out + count > FOLD_COUNTERS:
+    def _take(self, device, count, capturing):
+        """``count`` zero counters no one else holds, or None where too few are left (the lock held)."""
+        if self.counters is None:
+            if capturing:
                 return None
-            self.handed_out += count
-            return self.counters[self.handed_out - count:self.handed_out]
+            self.counters = torch.zeros(FOLD_COUNTERS, dtype=torch.int32, device=device)
+            torch.cuda.synchronize(device)  # zero before any stream reads them
+        if self.handed_out + count > FOLD_COUNTERS:
+            return None
+        self.handed_out += count
+        return self.counters[self.handed_out - count:self.handed_out]
+
+    def for_launch(self, device, tiles, capturing):
+        """Counters for a folded launch of ``tiles`` output tiles on the current stream of ``device``, or None."""
+        if capturing:  # this launch's own, for every replay
+            with self.lock:
+                return self._take(device, tiles, True)
+        if tiles > STREAM_COUNTERS:
+            return None
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
+        counters = self.streams.get(stream)
+        if counters is None:
+            with self.lock:
+                counters = self.streams.get(stream)
+                if counters is None:
+                    counters = self.streams[stream] = self._take(device, STREAM_COUNTERS, False)
+        return counters
 
 
 def split_taken(steps, split_k):
@@ -599,24 +597,20 @@ def unroll_taken(steps_per_split, unroll):
     return split_taken(steps_per_split, unroll)
 
 
-def split_k_scratch(device, elements, tiles, capturing):
-    """(fp32 partials of at least ``elements``, int32 zero counters for ``tiles`` output tiles, or None
-    where no fold is asked or none is left) for a split-K launch on the current stream of ``device``;
-    ``capturing``: that stream is being captured into a CUDA graph."""
-    scratch = _SCRATCH.get(device.index)
-    if scratch is None:
-        scratch = _SCRATCH.setdefault(device.index, _Scratch())
-    if capturing:  # this launch's own, for every replay
-        return (torch.empty(elements, dtype=torch.float32, device=device),
-                scratch.take(device, tiles, True) if tiles else None)
-    stream = torch._C._cuda_getCurrentRawStream(device.index)
-    partials, counters = scratch.streams.get(stream, (None, None))
-    if partials is None or partials.numel() < elements:
-        partials = torch.empty(elements, dtype=torch.float32, device=device)
-    if counters is None and tiles:
-        counters = scratch.take(device, STREAM_COUNTERS, False)
-    scratch.streams[stream] = (partials, counters)
-    return partials, counters if 0 < tiles <= STREAM_COUNTERS else None
+def fold_counters(device, tiles, capturing):
+    """int32 zero counters for a folded split-K launch of ``tiles`` output tiles on the current stream of
+    ``device`` (``capturing``: that stream is being captured into a CUDA graph), or None where none are left."""
+    counters = _SCRATCH.get(device.index)
+    if counters is None:
+        counters = _SCRATCH.setdefault(device.index, _FoldCounters())
+    return counters.for_launch(device, tiles, capturing)
+
+
+def _empty_fp32(elements, device):
+    """A new fp32 tensor of ``elements`` on ``device`` (on the GPU through the allocation entry launch plans use)."""
+    if device.type == "cuda" and torch._C._cuda_getDevice() == device.index:
+        return fastpath.empty_cuda((elements,), (1,), torch.float32)
+    return torch.empty(elements, dtype=torch.float32, device=device)
 
 
 def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2, nested, fp4, config,
@@ -640,18 +634,18 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
     grid = (-(-n // config.block_n), -(-m // config.block_m), split_k)
     capturing = not INTERPRET and torch.cuda.is_current_stream_capturing()
     partials = counters = None
-    if split_k > 1 and INTERPRET:
-        partials = torch.empty(split_k * m * n, dtype=torch.float32, device=x2d.device)
-    elif split_k > 1:
-        partials, counters = split_k_scratch(x2d.device, split_k * m * n,
-                                             grid[0] * grid[1] if config.mma and config.fold else 0, capturing)
+    if split_k > 1:  # this call's own (the caching allocator's, stream-ordered): no other call touches them
+        partials = _empty_fp32(split_k * m * n, x2d.device)
+        if config.mma and config.fold and not INTERPRET:
+            counters = fold_counters(x2d.device, grid[0] * grid[1], capturing)
     fold = counters is not None
     if members and split_k > 1 and not fold:  # no counters left for the group's tiles: one launch a weight
         for packed_j, tables_j, out_j in ((packed, tables, out),) + tuple(members):
             launch_fused(x2d, packed_j, tables_j, None, out_j, n=out_j.shape[1], k=k, blocksize=blocksize,
                          blocksize2=blocksize2, nested=nested, fp4=fp4, config=config)
         return out
-    # what a repeated call replaces besides x: mma.py's output, the tl kernel's output or partial sums
+    # what a repeated call passes anew beside x: mma.py's output (and its partial sums), the tl kernel's output
+    # or partial sums
     target = out if config.mma or split_k == 1 else partials
     device = x2d.device.index
     key = None
@@ -660,13 +654,17 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
         key = (device, x2d.dtype, m, n, k, x2d.stride(0), x2d.data_ptr() % 16, out.data_ptr() % 16, packed.data_ptr(),
                absmax.data_ptr(), code.data_ptr(), absmax2.data_ptr(), code2.data_ptr(), offset.data_ptr(),
                None if bias is None else bias.data_ptr(), blocksize, blocksize2, nested, fp4, config, use_asm,
-               bf16_via_int, code_lookup, None if partials is None else partials.data_ptr(),
-               None if counters is None else counters.data_ptr())
+               bf16_via_int, code_lookup, None if counters is None else counters.data_ptr())
         launches = LAUNCHES.get(key)
         if launches is not None:
             stream = torch._C._cuda_getCurrentRawStream(device)
             fused, reduce = launches
-            fused(stream, x2d.data_ptr(), target.data_ptr())
+            if partials is None:
+                fused(stream, x2d.data_ptr(), out.data_ptr())
+            elif config.mma:  # kwarps tiles never split
+                fused(stream, x2d.data_ptr(), out.data_ptr(), partials.data_ptr())
+            else:
+                fused(stream, x2d.data_ptr(), partials.data_ptr())
             if reduce is not None:
                 reduce(stream, partials.data_ptr(), out.data_ptr())
             return out
@@ -697,14 +695,16 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
         options.update(SPLIT_K=split_k, STEPS_PER_SPLIT=steps // split_k, DOT=config.dot, USE_ASM=use_asm,
                        BF16_VIA_INT=bf16_via_int, LOOKUP=code_lookup,
                        EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_stages=config.num_stages)
-    fused = _run(kernel_fn, grid, args, options, out_at=None if key is None else 8)
+    # the arguments a replay passes anew: x, the output or partial sums (8) and mma.py's partial sums (9)
+    varying = (0, 8, 9) if config.mma and partials is not None else (0, 8)
+    fused = fastpath.run(kernel_fn, grid, args, options, None if key is None else varying)
     reduce = None
     if split_k > 1 and not fold:
         block = 1024
-        reduce = _run(split_k_reduce_kernel, (triton.cdiv(m * n, block), 1, 1), (
+        reduce = fastpath.run(split_k_reduce_kernel, (triton.cdiv(m * n, block), 1, 1), (
             partials, bias if bias is not None else out, out, m * n, n), dict(
             SPLIT_K=split_k, HAS_BIAS=bias is not None, OUT_DTYPE=x_dtype, BF16_VIA_INT=bf16_via_int, BLOCK=block,
-            num_warps=4), out_at=None if key is None else 2)
+            num_warps=4), None if key is None else (0, 2))
     if key is not None:
         if len(LAUNCHES) >= MOST_LAUNCHES:
             LAUNCHES.clear()

@@ -133,7 +133,10 @@ def offset_tensor(qs, value, device):
 def check_state(packed, qs):
     """Validate the quant state against the packed weight; return the launch arguments
     (shape, blocksize, nested, blocksize2, (absmax, code, absmax2, code2, offset))."""
-    for field in ("absmax", "shape", "dtype", "blocksize", "quant_type", "code"):
+    # Traced, each hasattr is one more guard that every compiled call evaluates (33 of them on a three-weight MLP,
+    # half its guards' time; NOTES.md item 111): a missing field fails the attribute read, naming it.
+    compiling = torch.compiler.is_compiling()
+    for field in () if compiling else ("absmax", "shape", "dtype", "blocksize", "quant_type", "code"):
         require(hasattr(qs, field), f"dequantize_nf4: quant_state has no '{field}' (not a bitsandbytes 4-bit QuantState?)")
     require(qs.quant_type in ("nf4", "fp4"), f"dequantize_nf4: quant_type must be 'nf4' or 'fp4', got {qs.quant_type!r}")
     require(qs.dtype in OUTPUT_DTYPES, f"dequantize_nf4: output dtype must be float16, bfloat16 or float32, got {qs.dtype}")
@@ -175,10 +178,10 @@ def check_state(packed, qs):
         return value
 
     code = tensor("code", qs.code, torch.float32, 16)
-    nested = bool(getattr(qs, "nested", False))
+    nested = bool(qs.nested if compiling else getattr(qs, "nested", False))
     if nested:
-        state2 = getattr(qs, "state2", None)
-        require(state2 is not None and hasattr(state2, "absmax") and hasattr(state2, "code"),
+        state2 = qs.state2 if compiling else getattr(qs, "state2", None)
+        require(compiling or (state2 is not None and hasattr(state2, "absmax") and hasattr(state2, "code")),
                 "dequantize_nf4: nested quant_state has no state2 with absmax and code")
         blocksize2 = _as_int(state2.blocksize, "state2 blocksize")
         require(is_power_of_two(blocksize2), f"dequantize_nf4: state2 blocksize must be a power of two, got {blocksize2}")

@@ -84,24 +84,33 @@ FIRST = (77, 1024, 4096)  # (stream, packed_ptr, out_ptr) of the launch the plan
 LATER = (78, 2048, 8192)  # a later call's: the packed bytes moved, another output
 
 
-def launched_by_triton(launcher_type, stream, packed_ptr, out_ptr, grid=(5, 1, 1)):
+PARTIALS = (3072, 6144)  # a third pointer (split-K partial sums) in the first call and a later one
+
+
+def arguments(pointers):
+    """The kernel's arguments with the pointers of a call at their places: (packed_ptr, out_ptr[, partial_ptr])."""
+    return (pointers[0], *HEAD, pointers[1], *TAIL[:1], *pointers[2:], *TAIL[1:])
+
+
+def launched_by_triton(launcher_type, stream, *pointers, grid=(5, 1, 1)):
     """What the C launch function receives when Triton's launcher itself is called."""
     launcher = launcher_type()
     compiled = Compiled(launcher)
-    launcher(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, packed_ptr, *HEAD,
-             out_ptr, *TAIL)
+    launcher(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *arguments(pointers))
     return launcher.launched
 
 
-def launched_by_plan(launcher_type, grid=5):
+def launched_by_plan(launcher_type, grid=5, third=False):
     """The plan's launch function for a launcher, what the launcher launched while it was built,
     and what a later call through it launched, with the number of Triton launcher calls it took."""
     launcher = launcher_type()
-    launch = fastpath.kernel_launcher(Compiled(launcher), grid, HEAD, TAIL, *FIRST)
+    first, later = (FIRST + PARTIALS[:1], LATER + PARTIALS[1:]) if third else (FIRST, LATER)
+    varying = (0, len(HEAD) + 1) + ((len(HEAD) + 3,) if third else ())
+    launch = fastpath.kernel_launcher(Compiled(launcher), grid, arguments(first[1:]), varying, first[0])
     while_built = list(launcher.launched)
     launcher.launched.clear()
     calls_before = launcher.calls
-    launch(*LATER)
+    launch(*later)
     return launch.__name__, while_built, launcher.launched, launcher.calls - calls_before
 
 
@@ -118,17 +127,20 @@ def comparable(calls, fresh_objects):
     (OtherPathLauncher, "via_triton"),
     (SelfCheckingLauncher, "via_triton"),
 ], ids=lambda value: value if isinstance(value, str) else value.__name__)
-@pytest.mark.parametrize("grid", [5, (5, 3, 2)], ids=["1d", "3d"])
-def test_plan_launch_forwards_what_triton_would(launcher_type, path, grid):
-    name, while_built, later, triton_calls = launched_by_plan(launcher_type, grid)
-    grid3 = (grid, 1, 1) if isinstance(grid, int) else grid
+@pytest.mark.parametrize("grid", [5, (5, 3, 2), (5,)], ids=["1d", "3d", "1-tuple"])
+@pytest.mark.parametrize("third", [False, True], ids=["two-pointers", "three-pointers"])
+def test_plan_launch_forwards_what_triton_would(launcher_type, path, grid, third):
+    name, while_built, later, triton_calls = launched_by_plan(launcher_type, grid, third)
+    grid3 = (grid, 1, 1) if isinstance(grid, int) else (*grid, 1, 1)[:3]
     fresh_objects = launcher_type in (ScratchLauncher, FreshObjectLauncher)
-    assert name == path
+    if not third:  # three pointers: a spliced launch, not one of the named forms
+        assert name == path
     assert triton_calls == (1 if path == "via_triton" else 0)
+    first, later_call = (FIRST + PARTIALS[:1], LATER + PARTIALS[1:]) if third else (FIRST, LATER)
     # A later call launches exactly what Triton's launcher would for it, on every grid axis.
-    assert comparable(later, fresh_objects) == comparable(launched_by_triton(launcher_type, *LATER, grid=grid3),
+    assert comparable(later, fresh_objects) == comparable(launched_by_triton(launcher_type, *later_call, grid=grid3),
                                                           fresh_objects)
     # Building it launches nothing, or (a launcher that launches by another route) repeats the
     # launch it was built after, never one with other arguments.
-    assert all(call == launched_by_triton(launcher_type, *FIRST, grid=grid3)[0] for call in while_built)
+    assert all(call == launched_by_triton(launcher_type, *first, grid=grid3)[0] for call in while_built)
     assert while_built == [] or launcher_type is OtherPathLauncher

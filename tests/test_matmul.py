@@ -20,7 +20,7 @@ import kernel
 import matmul
 import mma
 import quantstate
-from helpers import assert_unchanged, linear4bit, quantize, snapshot
+from helpers import assert_unchanged, failures_in_threads, linear4bit, quantize, snapshot
 from matmul import MatmulConfig
 from reference import dequantize_reference, linear_error_bound, linear_reference
 
@@ -717,3 +717,55 @@ def test_gpu_nf4_linear_group_equals_each_alone(rows, monkeypatch):
     assert matmul.group_plan(x, [(layer.weight.data, layer.weight.quant_state) for layer in odd]) is None
     for got, layer in zip(matmul.nf4_linear_group(x, odd), odd):
         assert torch.equal(got, matmul.nf4_linear(x, layer))
+
+
+def outputs_from_threads(call, inputs, calls=200):
+    """[[output of each of ``calls`` calls of ``call(x)``] for each input's thread], all threads on the
+    current stream at once, nothing synchronized between calls; read once every thread is done."""
+    results = [[] for _ in inputs]
+
+    def work(i):
+        for _ in range(calls):
+            results[i].append(call(inputs[i]))
+
+    failures = failures_in_threads(work, len(inputs))
+    torch.cuda.synchronize()
+    assert not failures, failures
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [C(16, 64, 256, 4, True, 4, mma=True, words=4),
+                                    C(16, 64, 128, 4, True, 4, mma=True, words=4, stage_x=False),
+                                    C(32, 128, 64, 4, True, 8, mma=True, wgmma=True, prefetch=True),
+                                    C(16, 64, 256, 4, True, 4, 2, 2)], ids=str)
+def test_gpu_threads_on_one_stream_at_a_split_k_reduction(config):
+    """Two threads on one stream through a split-K tile whose sums a second kernel adds: each output is its own
+    input's (a stream's shared partial sums handed one thread's sums to the other's reduction: 54 of 400
+    outputs at 16 rows of 4096x4096 bf16 on an H200 were the other thread's)."""
+    if config.wgmma and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma runs on sm_90")
+    if config.mma and not matmul.mma_runs_on(torch.cuda.get_device_capability()):
+        pytest.skip("mma.py's kernel needs Triton 3.6 and sm_80")
+    dtype = torch.bfloat16
+    packed, state = quantize((4096, 4096), dtype=dtype, device="cuda", seed=11)
+    route = matmul.Route(64, "fused", config)
+    xs = [torch.randn(16, 4096, device="cuda", dtype=dtype) for _ in range(2)]
+    expected = [matmul.linear_by_route(x, packed, state, None, route) for x in xs]
+    results = outputs_from_threads(lambda x: matmul.linear_by_route(x, packed, state, None, route), xs)
+    wrong = sum(not torch.equal(y, want) for ys, want in zip(results, expected) for y in ys)
+    assert wrong == 0, f"{wrong} of {sum(map(len, results))} outputs are not their own input's"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, rows", [((4096, 4096), 16), ((1024, 4096), 32), ((4096, 14336), 3),
+                                         ((4096, 14336), 64)])
+def test_gpu_threads_on_one_stream_through_nf4_linear(shape, rows):
+    """The routes nf4_linear takes for these calls, two threads on the default stream: every output its own."""
+    dtype = torch.bfloat16
+    packed, state = quantize(shape, dtype=dtype, device="cuda", seed=rows)
+    xs = [torch.randn(rows, shape[1], device="cuda", dtype=dtype) for _ in range(2)]
+    expected = [matmul.nf4_linear(x, packed, state) for x in xs]
+    results = outputs_from_threads(lambda x: matmul.nf4_linear(x, packed, state), xs)
+    wrong = sum(not torch.equal(y, want) for ys, want in zip(results, expected) for y in ys)
+    assert wrong == 0, f"{wrong} of {sum(map(len, results))} outputs are not their own input's"
