@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-import kernel  # noqa: E402
+from nf4_triton import kernel  # noqa: E402
 
 POINTERS = {
     "packed_ptr": "*u8",

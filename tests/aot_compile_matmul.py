@@ -7,6 +7,7 @@ of multiples of 16; without that every load is scalar (4096x14336's one-row rout
 matmul.py defines compiled kernels on any machine.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -19,9 +20,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-import kernel  # noqa: E402
-import matmul  # noqa: E402
-import matmulbench  # noqa: E402
+import bench.matmul  # noqa: E402
+from nf4_triton import (
+    kernel,  # noqa: E402
+    matmul,  # noqa: E402
+)
 
 TL_NAME = {tl.float16: "fp16", tl.bfloat16: "bf16", tl.float32: "fp32"}
 
@@ -39,8 +42,8 @@ def variants(capability):
             if x_dtype == tl.bfloat16 and capability < (8, 0):
                 continue  # no bf16 tensor-core product on sm_75: nf4_linear dequantizes there
             yield x_dtype, route.config
-    if table is matmul.MATMUL_ROUTES:  # the K-slice tiles the one-row sweep times (matmulbench), routes or not
-        for config in matmulbench.kwarps_configs(8):
+    if table is matmul.MATMUL_ROUTES:  # the K-slice tiles the one-row sweep times (bench.matmul), routes or not
+        for config in bench.matmul.kwarps_configs(8):
             for x_dtype in (tl.float16, tl.bfloat16):
                 yield x_dtype, config
 
@@ -84,6 +87,15 @@ def compile_variant(capability, x_dtype, config):
     return triton.compile(source, target=target, options=options)
 
 
+def ptx_digest(ptx, name):
+    """A digest of the PTX with its line information (and debug sections), the kernel's name and the compiler's
+    header left out: two kernels that compile to the same instructions give the same digest."""
+    ptx = ptx.split("\t.section\t.debug", 1)[0]
+    lines = [line for line in ptx.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__(func|debug|info))", line)]
+    body = "\n".join(lines[lines.index(next(line for line in lines if ".entry" in line)):]).replace(name, "KERNEL")
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
 def main():
     cc = int(sys.argv[1])
     capability = (cc // 10, cc % 10)
@@ -97,7 +109,8 @@ def main():
                           "mma": len(re.findall(r"\bmma\.sync", ptx)),
                           "ld_v4": len(re.findall(r"ld\.global(\.[\w:]+)*\.v4", ptx)),
                           "ld_v2": len(re.findall(r"ld\.global(\.[\w:]+)*\.v2", ptx)),
-                          "ld_evict_first": len(re.findall(r"ld\.global\.L1::evict_first\.L2::cache_hint", ptx))}),
+                          "ld_evict_first": len(re.findall(r"ld\.global\.L1::evict_first\.L2::cache_hint", ptx)),
+                          "ptx_digest": ptx_digest(ptx, compiled.metadata.name)}),
               flush=True)
 
 

@@ -7,11 +7,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import bench_weights  # found through the path set above
+import bench.weights  # found through the path set above
 
 HAS_CUDA = torch.cuda.is_available()
 
-bench_weights.quiet_bitsandbytes_cpu_notice()
+bench.weights.quiet_bitsandbytes_cpu_notice()
 
 
 def pytest_addoption(parser):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-import kernel
+from nf4_triton import kernel
 
 # The CPU's tier (CI compiles every variant there); on a GPU, part of the long tail (--long).
 pytestmark = pytest.mark.long

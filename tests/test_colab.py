@@ -22,8 +22,6 @@ import tempfile
 
 import pytest
 
-import notebooks
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLAB_STACK = ["torch==2.11.0", "torchvision==0.26.0", "transformers==5.15.0", "peft==0.20.0", "numpy==2.1.3",
                "datasets==4.0.0", "accelerate", "pandas", "matplotlib", "ipywidgets", "tqdm"]
@@ -31,8 +29,8 @@ HELD = ("torch", "triton", "transformers", "torchvision")
 
 
 def project_files():
-    """What `pip install .` packs: pyproject.toml, the README and the modules pyproject.toml names."""
-    return {"pyproject.toml", "README.md"} | {f"{module}.py" for module in notebooks.project_modules()}
+    """What `pip install .` packs: pyproject.toml, the README and the package pyproject.toml names."""
+    return {"pyproject.toml", "README.md", "nf4_triton"}
 
 
 # What `pip check` may still name after the install cell: Unsloth's certifi pin is newer than the
@@ -130,8 +128,8 @@ def install_and_import(folder):
     project = folder / "project"  # built from a copy: the build leaves files beside the sources
     files = project_files()
     shutil.copytree(ROOT, project, ignore=lambda source, names: [n for n in names if n not in files]
-                    if source == ROOT else [])
+                    if source == ROOT else [n for n in names if n == "__pycache__"])
     run([python, "-m", "pip", "install", "-q", "--no-deps", str(project)], timeout=600)
-    run([python, "-c", f"import bitsandbytes, importlib.util, {', '.join(notebooks.project_modules())}; "
+    run([python, "-c", "import bitsandbytes, importlib.util, nf4_triton, nf4_triton.kernel; "
                        "assert importlib.util.find_spec('unsloth') and importlib.util.find_spec('unsloth_zoo'); "
-                       "print(kernel.INTERPRET)"], cwd=folder)
+                       "assert importlib.util.find_spec('bench') is None; print(nf4_triton.kernel.INTERPRET)"], cwd=folder)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import bench_compile
-import bench_weights
-import kernel
+import bench.compile
+import bench.weights
 from helpers import assert_bit_exact, in_a_fresh_process, offset_copy, quantize
+from nf4_triton import kernel
 
 
 def op_args(packed, state):
@@ -55,7 +55,7 @@ def test_single_call_fullgraph(dtype, device):
 def test_entry_point_fullgraph(device):
     """The challenge's entry point on a layer, compiled whole: no graph break, eager's bits."""
     packed, state = quantize((64, 192), dtype=torch.bfloat16, device=device, seed=5)
-    layer = bench_weights.params4bit_module(packed, state)
+    layer = bench.weights.params4bit_module(packed, state)
     compiled = torch.compile(kernel.your_dequantize_nf4, fullgraph=True)
     assert_bit_exact(compiled(layer), kernel.your_dequantize_nf4(layer))
     assert not counters["graph_break"]
@@ -69,7 +69,7 @@ def test_first_call_compiled():
     in_a_fresh_process("""
 import torch
 from torch._dynamo.utils import counters
-import kernel
+from nf4_triton import kernel
 from helpers import assert_bit_exact, bnb_dequantize, launch_config_of, quantize
 chosen, choose_launch = [], kernel.choose_launch
 
@@ -164,7 +164,7 @@ def test_reduce_overhead_mode():
 def test_reduce_overhead_with_static_inputs_reads_the_weight_on_each_replay():
     """Weight and state tensors marked static (as a model's parameters are): the graph reads them in
     place, so bytes re-written in place show up on the next replay."""
-    packed, state = bench_compile.static_weight(*quantize((512, 1024), dtype=torch.float16, device="cuda", seed=4))
+    packed, state = bench.compile.static_weight(*quantize((512, 1024), dtype=torch.float16, device="cuda", seed=4))
     other, _ = quantize((512, 1024), dtype=torch.float16, device="cuda", seed=5)
     compiled = torch.compile(lambda weight: kernel.dequantize_nf4(weight, state), mode="reduce-overhead",
                              fullgraph=True)

@@ -9,10 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dropin
-import fastpath
-import kernel
-import matmul
 from helpers import (
     assert_bit_exact,
     assert_unchanged,
@@ -24,6 +20,7 @@ from helpers import (
     quantize,
     snapshot,
 )
+from nf4_triton import dropin, fastpath, kernel, matmul
 from reference import linear_error_bound, linear_reference
 
 DTYPES = [torch.float16, torch.bfloat16]
@@ -674,7 +671,7 @@ def test_first_call_compiled():
     in_a_fresh_process("""
 import torch
 from torch._dynamo.utils import counters
-import dropin
+from nf4_triton import dropin
 from helpers import assert_bit_exact, linear4bit
 layer, packed, state = linear4bit((1024, 512), dtype=torch.bfloat16, device="cuda")
 x = torch.randn(1, 512, dtype=torch.bfloat16, device="cuda")

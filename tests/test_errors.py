@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-import kernel
 from helpers import assert_bit_exact, expected_values, quantize
+from nf4_triton import kernel
 
 
 @pytest.fixture

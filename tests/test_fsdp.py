@@ -1,4 +1,4 @@
-"""fsdp_qlora.py: its arguments and sizes, its CSV's version columns, loss comparison and loss chart on
+"""bench/bench.fsdp_qlora.py: its arguments and sizes, its CSV's version columns, loss comparison and loss chart on
 the CPU; the two-GPU run itself where two GPUs are present (a short run: every frozen shard unchanged,
 no stale plan, plans bounded)."""
 
@@ -11,33 +11,33 @@ import sys
 import pytest
 import torch
 
-import bench_plots
-import bench_results
-import fsdp_qlora
-import modelbench
+import bench.fsdp_qlora
+import bench.model
+import bench.plots
+import bench.results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_arguments():
-    args = fsdp_qlora.parse_args([])
+    args = bench.fsdp_qlora.parse_args([])
     assert [size.name for size in args.sizes] == ["2048x5632x4", "4096x14336x2", "4096x14336x8@2x2048"]
     assert args.steps == 20 and args.plan_steps == 1000 and args.fsdp == 1
-    args = fsdp_qlora.parse_args(["--sizes", "4096x14336x2", "--steps", "3", "--fsdp", "2"])
+    args = bench.fsdp_qlora.parse_args(["--sizes", "4096x14336x2", "--steps", "3", "--fsdp", "2"])
     assert [size.name for size in args.sizes] == ["4096x14336x2"] and args.steps == 3 and args.fsdp == 2
 
 
 def test_sizes():
-    """modelbench's models as committed, a shape with other layers, and real-size models spelled
+    """bench.model's models as committed, a shape with other layers, and real-size models spelled
     with their tokens per rank and step (Llama-3's vocabulary)."""
-    Size = fsdp_qlora.Size
-    assert fsdp_qlora.parse_size("2048x5632x4") == Size("2048x5632x4", "2048x5632x4", 4, (4, 512), 32000)
-    assert fsdp_qlora.parse_size("4096x14336x2") == Size("4096x14336x2", "4096x14336x2", 2, (4, 512), 32000)
-    assert fsdp_qlora.parse_size("2048x5632x1") == Size("2048x5632x1", "2048x5632x4", 1, (4, 512), 32000)
-    assert fsdp_qlora.parse_size("4096x14336x8@2x2048") == Size(
+    Size = bench.fsdp_qlora.Size
+    assert bench.fsdp_qlora.parse_size("2048x5632x4") == Size("2048x5632x4", "2048x5632x4", 4, (4, 512), 32000)
+    assert bench.fsdp_qlora.parse_size("4096x14336x2") == Size("4096x14336x2", "4096x14336x2", 2, (4, 512), 32000)
+    assert bench.fsdp_qlora.parse_size("2048x5632x1") == Size("2048x5632x1", "2048x5632x4", 1, (4, 512), 32000)
+    assert bench.fsdp_qlora.parse_size("4096x14336x8@2x2048") == Size(
         "4096x14336x8@2x2048", "4096x14336x2", 8, (2, 2048), 128256)
-    assert modelbench.LLAMA3_VOCAB == 128256  # Llama-3's, as servebench.py loads it
-    assert fsdp_qlora.parse_size("2048x5632x4@1x2").tokens == (1, 2)
+    assert bench.model.LLAMA3_VOCAB == 128256  # Llama-3's, as bench/serve.py loads it
+    assert bench.fsdp_qlora.parse_size("2048x5632x4@1x2").tokens == (1, 2)
 
 
 @pytest.mark.parametrize("size, error", [
@@ -48,7 +48,7 @@ def test_sizes():
     ("4096x14336x8@", "is not"), ("4096x14336x8@2x512x1", "is not")])
 def test_bad_sizes(size, error):
     with pytest.raises(ValueError, match=error):
-        fsdp_qlora.parse_size(size)
+        bench.fsdp_qlora.parse_size(size)
 
 
 @pytest.mark.parametrize("argv", [
@@ -57,7 +57,7 @@ def test_bad_sizes(size, error):
     ["--plan-steps", "-1"], ["--fsdp", "3"]])
 def test_bad_arguments(argv):
     with pytest.raises(SystemExit):
-        fsdp_qlora.parse_args(argv)
+        bench.fsdp_qlora.parse_args(argv)
 
 
 @pytest.mark.parametrize("flavour", [1, 2])
@@ -68,12 +68,12 @@ def test_committed_run_is_complete(flavour):
         header = next(csv.reader(handle))
         handle.seek(0)
         rows = list(csv.DictReader(handle))
-    columns = list(bench_results.version_columns(fsdp_qlora.PACKAGES))
+    columns = list(bench.results.version_columns(bench.fsdp_qlora.PACKAGES))
     assert header[3:3 + len(columns)] == columns
     names = ["bitsandbytes", "nf4-triton", "bitsandbytes (again)"]
     assert [(row["model"], row["implementation"]) for row in rows] == [
-        (size.name, name) for size in fsdp_qlora.parse_args([]).sizes for name in names]
-    assert {row["fsdp"] for row in rows} == {fsdp_qlora.FSDP_FLAVOURS[flavour]}
+        (size.name, name) for size in bench.fsdp_qlora.parse_args([]).sizes for name in names]
+    assert {row["fsdp"] for row in rows} == {bench.fsdp_qlora.FSDP_FLAVOURS[flavour]}
     # What the README states of the run: every frozen weight unchanged, every checked call served and equal
     assert all(row["frozen_shards_unchanged"] == "True" and not row["frozen_changed_or_added"] for row in rows)
     (checked,) = [row for row in rows if row["plan_calls"]]
@@ -82,10 +82,10 @@ def test_committed_run_is_complete(flavour):
 
 
 def test_compare_losses():
-    assert fsdp_qlora.compare_losses([2.5, 2.25], [2.5, 2.25]) == (True, 0.0, None)
-    assert fsdp_qlora.compare_losses([2.5, 2.25, 2.0], [2.5, 2.5, 2.0]) == (False, 0.25, 1)
+    assert bench.fsdp_qlora.compare_losses([2.5, 2.25], [2.5, 2.25]) == (True, 0.0, None)
+    assert bench.fsdp_qlora.compare_losses([2.5, 2.25, 2.0], [2.5, 2.5, 2.0]) == (False, 0.25, 1)
     with pytest.raises(ValueError, match="2 against 1 steps"):
-        fsdp_qlora.compare_losses([1.0, 2.0], [1.0])
+        bench.fsdp_qlora.compare_losses([1.0, 2.0], [1.0])
 
 
 def test_loss_chart(tmp_path):
@@ -93,20 +93,20 @@ def test_loss_chart(tmp_path):
     size fewer); nothing from a folder without them, nor from a loss file without its run's CSV."""
     pytest.importorskip("matplotlib")
     pytest.importorskip("pandas")
-    assert bench_plots.plot_fsdp(str(tmp_path)) == [] and bench_plots.plot(str(tmp_path)) == []
+    assert bench.plots.plot_fsdp(str(tmp_path)) == [] and bench.plots.plot(str(tmp_path)) == []
     meta = dict(gpu="NVIDIA H100 80GB HBM3", world_size=2, timestamp="2026-11-25T00:00:00+00:00",
-                **bench_results.version_columns(fsdp_qlora.PACKAGES))
+                **bench.results.version_columns(bench.fsdp_qlora.PACKAGES))
     for flavour, sizes in ((1, ["2048x5632x4", "4096x14336x8@2x2048"]), (2, ["2048x5632x4"])):
         names = ["bitsandbytes", "nf4-triton", "bitsandbytes (again)"]
-        bench_results.write_csv(tmp_path / f"fsdp{flavour}_losses.csv", [
+        bench.results.write_csv(tmp_path / f"fsdp{flavour}_losses.csv", [
             row for size in sizes for name in names
-            for row in fsdp_qlora.loss_rows(flavour, size, name, [11.0 - step / 8 for step in range(20)])])
+            for row in bench.fsdp_qlora.loss_rows(flavour, size, name, [11.0 - step / 8 for step in range(20)])])
         if flavour == 1:
-            assert bench_plots.plot_fsdp(str(tmp_path)) == []  # a loss file without its run's CSV
-        bench_results.write_csv(tmp_path / f"fsdp{flavour}.csv", [
-            dict(meta, model=size, implementation=name, fsdp=fsdp_qlora.FSDP_FLAVOURS[flavour])
+            assert bench.plots.plot_fsdp(str(tmp_path)) == []  # a loss file without its run's CSV
+        bench.results.write_csv(tmp_path / f"fsdp{flavour}.csv", [
+            dict(meta, model=size, implementation=name, fsdp=bench.fsdp_qlora.FSDP_FLAVOURS[flavour])
             for size in sizes for name in names])
-    written = bench_plots.plot(str(tmp_path))
+    written = bench.plots.plot(str(tmp_path))
     assert written == [str(tmp_path / "fsdp_losses.png")] and os.path.getsize(written[0]) > 10_000
 
 
@@ -115,10 +115,10 @@ def test_changed_weights():
     missing or new weight is named."""
     packed = torch.tensor([0x7FC1, 0x0001, -0x0080], dtype=torch.int16).view(torch.bfloat16)  # a NaN first
     before = {"a": packed.view(torch.uint8).clone(), "b": torch.zeros(4, dtype=torch.uint8)}
-    assert fsdp_qlora.changed_weights(before, {name: t.clone() for name, t in before.items()}) == []
+    assert bench.fsdp_qlora.changed_weights(before, {name: t.clone() for name, t in before.items()}) == []
     after = {"a": before["a"].clone(), "c": before["b"].clone()}
     after["a"][0] ^= 1
-    assert fsdp_qlora.changed_weights(before, after) == ["a", "-b", "+c"]
+    assert bench.fsdp_qlora.changed_weights(before, after) == ["a", "-b", "+c"]
 
 
 def test_whole_gathers_only_sharded_tensors():
@@ -129,7 +129,7 @@ def test_whole_gathers_only_sharded_tensors():
             return "gathered"
 
     plain = torch.arange(3)
-    assert fsdp_qlora.whole(plain) is plain and fsdp_qlora.whole(Sharded()) == "gathered"
+    assert bench.fsdp_qlora.whole(plain) is plain and bench.fsdp_qlora.whole(Sharded()) == "gathered"
 
 
 @pytest.mark.gpu(2)
@@ -137,7 +137,7 @@ def test_whole_gathers_only_sharded_tensors():
 def test_two_gpu_run(flavour, tmp_path):
     torchrun = shutil.which("torchrun") or [sys.executable, "-m", "torch.distributed.run"]
     command = ([torchrun] if isinstance(torchrun, str) else torchrun) + [
-        "--nproc_per_node", "2", os.path.join(ROOT, "fsdp_qlora.py"), "--sizes", "2048x5632x4", "--steps", "3",
+        "--nproc_per_node", "2", os.path.join(ROOT, "bench/bench.fsdp_qlora.py"), "--sizes", "2048x5632x4", "--steps", "3",
         "--plan-steps", "5", "--fsdp", flavour, "--out", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-import bench_contenders
-import bench_harness
-import kernel
+import bench.contenders
+import bench.harness
 from helpers import assert_bit_exact, bnb_dequantize, launch_config_of, quantize
+from nf4_triton import kernel
 
 pytestmark = pytest.mark.gpu
 
@@ -144,9 +144,9 @@ def test_caller_stream():
 
 
 # ---- the challenge's check (challenge.md), without its timing -----------------------------------
-@pytest.mark.parametrize("option", bench_harness.HARNESS_OPTIONS, ids=lambda o: f"{o[2]}x{o[3]}-{o[5]}")
+@pytest.mark.parametrize("option", bench.harness.HARNESS_OPTIONS, ids=lambda o: f"{o[2]}x{o[3]}-{o[5]}")
 def test_challenge_check(option):
-    """The challenge's own warm-up check (bench_harness.challenge_check), with Unsloth's equality when installed."""
+    """The challenge's own warm-up check (bench.harness.challenge_check), with Unsloth's equality when installed."""
     pytest.importorskip("transformers")
-    largest = bench_harness.challenge_check(kernel.your_dequantize_nf4, option, bench_contenders.unsloth_fast_dequantize())
+    largest = bench.harness.challenge_check(kernel.your_dequantize_nf4, option, bench.contenders.unsloth_fast_dequantize())
     assert math.isfinite(largest)

@@ -10,9 +10,7 @@ import pytest
 import torch
 import triton
 
-import bench_weights
-import fastpath
-import kernel
+import bench.weights
 from helpers import (
     assert_bit_exact,
     assert_unchanged,
@@ -25,6 +23,7 @@ from helpers import (
     snapshot,
     with_subnormal_scales,
 )
+from nf4_triton import fastpath, kernel
 from reference import KNOWN_BAD, KNOWN_BAD_SUBNORMAL, dequantize_reference
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -181,7 +180,7 @@ def test_entry_point_on_params4bit(device):
     """your_dequantize_nf4 reads the Params4bit's data with its __torch_function__ switched off: the
     same tensor and the same bits as the challenge's own `layer.weight.data` call, nothing changed."""
     packed, state = quantize((96, 128), device=device, seed=4)
-    layer = bench_weights.params4bit_module(packed, state)
+    layer = bench.weights.params4bit_module(packed, state)
     before = snapshot(packed, state)
     assert_bit_exact(kernel.your_dequantize_nf4(layer), expected_values(packed, state))
     assert_bit_exact(kernel.your_dequantize_nf4(layer),

@@ -4,7 +4,7 @@ Triton's own launcher would have passed it for the same call."""
 
 import pytest
 
-import fastpath
+from nf4_triton import fastpath
 
 
 class Compiled:

@@ -10,31 +10,45 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Bottom to top. A module imports from the layers below its own, or from its own without a circle.
-# Every tests/test_*.py and conftest.py sits above them all.
+# Every tests/test_*.py and conftest.py sits above them all. Modules by their dotted names.
 LAYERS = [
-    ("launch", ["fastpath"]),  # Triton and torch internals, launch plans in general: nothing of a weight format
-    ("quant states", ["quantstate"]),  # a weight and its state found, validated, watched by a plan
-    ("kernels and their entry points", ["kernel", "mma", "matmul"]),  # the format's kernels, each with its API and operator
-    ("drop-in", ["dropin"]),
-    ("benchmark helpers", ["bench_timing", "bench_weights", "bench_results", "bench_contenders", "bench_plots"]),
-    ("benchmark sections", ["bench_kernels", "bench_harness", "bench_compile", "bench_sweep", "bench_forms", "modelbench",
-                            "matmulbench"]),
-    ("benchmark commands", ["bench", "fsdp_qlora", "servebench"]),
-    ("notebooks", ["notebooks"]),
+    ("launch", ["nf4_triton.fastpath"]),  # Triton and torch internals, launch plans in general: nothing of a weight format
+    ("quant states", ["nf4_triton.quantstate"]),  # a weight and its state found, validated, watched by a plan
+    ("kernels and their entry points", ["nf4_triton.kernel", "nf4_triton.mma", "nf4_triton.matmul"]),
+    ("drop-in", ["nf4_triton.dropin"]),
+    ("the package", ["nf4_triton"]),  # its public names
+    ("the challenge's name", ["kernel"]),  # the top-level kernel.py: nf4_triton.kernel under the challenge's name
+    ("benchmark helpers", ["bench", "bench.timing", "bench.weights", "bench.results", "bench.contenders", "bench.plots"]),
+    ("benchmark sections", ["bench.kernels", "bench.harness", "bench.compile", "bench.sweep", "bench.forms", "bench.model",
+                            "bench.matmul"]),
+    ("benchmark commands", ["bench.run", "bench.__main__", "bench.fsdp_qlora", "bench.serve"]),
+    ("tools", ["tools", "tools.notebooks", "tools.launches"]),
     ("test helpers", ["reference", "helpers", "aot_compile", "aot_compile_matmul"]),
 ]
 TESTS_LAYER = "tests"
+PACKAGES = ["nf4_triton", "bench", "tools"]
 
 # Private names that a file takes from another project module today, in files whose owners will
 # give each a public name or move it; the test fails on any other use, and on an entry no longer used.
 ALLOWED_PRIVATE = {}
 
 
+def module_name(path):
+    """The dotted name a file is imported by: ``nf4_triton/kernel.py`` is nf4_triton.kernel, a package's
+    ``__init__.py`` the package, a file at the top or in tests/ its own name."""
+    parts = os.path.splitext(path)[0].split("/")
+    if parts[0] in PACKAGES:
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return parts[-1]
+
+
 def project_files():
-    """{module name: path relative to the repository} of every Python file at the top level and in tests/."""
+    """{module name: path relative to the repository} of every Python file of the packages, the top level and tests/."""
     paths = sorted(glob.glob(os.path.join(ROOT, "*.py"))) + sorted(glob.glob(os.path.join(ROOT, "tests", "*.py")))
-    files = {os.path.splitext(os.path.basename(path))[0]: os.path.relpath(path, ROOT).replace(os.sep, "/")
-             for path in paths}
+    for package in PACKAGES:
+        paths += sorted(glob.glob(os.path.join(ROOT, package, "*.py")))
+    relative = [os.path.relpath(path, ROOT).replace(os.sep, "/") for path in paths]
+    files = {module_name(path): path for path in relative}
     assert len(files) == len(paths), "two project files share a module name"
     return files
 
@@ -55,15 +69,39 @@ def parse(path):
         return ast.parse(handle.read(), path)
 
 
+def project_module(dotted, modules):
+    """The project module ``dotted`` names, or the longest project module it lies in; None outside the project."""
+    parts = dotted.split(".")
+    return next((".".join(parts[:end]) for end in range(len(parts), 0, -1) if ".".join(parts[:end]) in modules), None)
+
+
+def bound_modules(tree, modules):
+    """{name a file binds: the project module it is} for its imports (``from nf4_triton import kernel`` binds
+    kernel to nf4_triton.kernel; ``import bench.timing`` binds bench to bench)."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = alias.name if alias.asname else alias.name.split(".")[0]
+                if project_module(target, modules) == target:
+                    names[alias.asname or target] = target
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in modules:
+                    names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return names
+
+
 def imported_modules(tree, modules):
-    """The project modules a file imports anywhere (inside functions too), by their own names."""
+    """The project modules a file imports anywhere (inside functions too), by their dotted names."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
+            found.update(project_module(alias.name, modules) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
-    return found & set(modules)
+            for alias in node.names:
+                found.add(project_module(f"{node.module}.{alias.name}", modules))
+    return found - {None}
 
 
 def import_graph():
@@ -99,25 +137,43 @@ def is_private(name):
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
+def dotted(node):
+    """``a.b.c`` for an attribute chain over a name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id] + parts[::-1]) if isinstance(node, ast.Name) else None
+
+
 def private_uses(tree, modules, own):
     """{"module._name"} a file takes from other project modules: ``module._name``, ``from module
     import _name``, and ``setattr``-like calls (monkeypatch's included) naming ``_name`` on a module."""
-    aliases = {alias.asname or alias.name: alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-               for alias in node.names if alias.name in modules and alias.name != own}
+    names = bound_modules(tree, modules)
+
+    def module_of(node):  # the project module an expression names, through the file's imports
+        chain = dotted(node)
+        if chain is None or chain.split(".")[0] not in names:
+            return None
+        first, *rest = chain.split(".")
+        module = project_module(".".join([names[first], *rest]), modules)
+        return module if module == ".".join([names[first], *rest]) else None
+
     uses = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules and node.module != own:
             uses.update(f"{node.module}.{alias.name}" for alias in node.names if is_private(alias.name))
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
-            if is_private(node.attr):
-                uses.add(f"{aliases[node.value.id]}.{node.attr}")
+        elif isinstance(node, ast.Attribute) and is_private(node.attr):
+            module = module_of(node.value)
+            if module is not None and module != own:
+                uses.add(f"{module}.{node.attr}")
         elif isinstance(node, ast.Call) and len(node.args) >= 2:
             called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
             target, name = node.args[:2]
-            if (called in ("setattr", "getattr", "delattr", "hasattr") and isinstance(target, ast.Name)
-                    and target.id in aliases and isinstance(name, ast.Constant) and isinstance(name.value, str)
-                    and is_private(name.value)):
-                uses.add(f"{aliases[target.id]}.{name.value}")
+            module = module_of(target)
+            if (called in ("setattr", "getattr", "delattr", "hasattr") and module is not None and module != own
+                    and isinstance(name, ast.Constant) and isinstance(name.value, str) and is_private(name.value)):
+                uses.add(f"{module}.{name.value}")
     return uses
 
 
@@ -176,24 +232,27 @@ def used_before_defined(tree):
     return found
 
 
-@pytest.mark.parametrize("module", ["fastpath", "quantstate", "kernel"])
-def test_lower_layers_read_top_down(module):
+@pytest.mark.parametrize("path", ["nf4_triton/fastpath.py", "nf4_triton/quantstate.py", "nf4_triton/kernel.py"])
+def test_lower_layers_read_top_down(path):
     """The launch, quant-state and dequantization modules read top-down: each name defined above its first use."""
-    found = used_before_defined(parse(f"{module}.py"))
-    assert not found, f"{module}.py uses names defined further down: {found}"
+    found = used_before_defined(parse(path))
+    assert not found, f"{path} uses names defined further down: {found}"
 
 
 def test_the_checks_see_what_they_look_for():
     """Each check on a small made-up case: a circle, an import inside a function, each private form."""
     assert a_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert a_circle({"a": {"b"}, "b": set()}) is None
-    source = ("import kernel as k\nfrom kernel import _jit, dequantize_nf4\n"
-              "def f(monkeypatch):\n    import dropin\n    k._resolve(); k.__doc__; dropin.enable\n"
-              "    monkeypatch.setattr(dropin, '_rule', None)\n")
+    source = ("from nf4_triton import kernel as k\nfrom nf4_triton.kernel import _jit, dequantize_nf4\nimport bench.timing\n"
+              "def f(monkeypatch):\n    from nf4_triton import dropin\n    k._resolve(); k.__doc__; dropin.enable\n"
+              "    monkeypatch.setattr(dropin, '_rule', None); bench.timing._clock()\n")
     tree = ast.parse(source)
-    assert imported_modules(tree, {"kernel", "dropin", "bench"}) == {"kernel", "dropin"}
-    assert private_uses(tree, {"kernel", "dropin"}, "bench") == {"kernel._jit", "kernel._resolve", "dropin._rule"}
-    assert private_uses(tree, {"kernel", "dropin"}, "kernel") == {"dropin._rule"}
+    modules = {"nf4_triton", "nf4_triton.kernel", "nf4_triton.dropin", "bench", "bench.timing", "bench.run"}
+    assert imported_modules(tree, modules) == {"nf4_triton.kernel", "nf4_triton.dropin", "bench.timing"}
+    assert private_uses(tree, modules, "bench.run") == {"nf4_triton.kernel._jit", "nf4_triton.kernel._resolve",
+                                                        "nf4_triton.dropin._rule", "bench.timing._clock"}
+    assert private_uses(tree, modules, "nf4_triton.kernel") == {"nf4_triton.dropin._rule", "bench.timing._clock"}
+    assert module_name("nf4_triton/__init__.py") == "nf4_triton" and module_name("tests/helpers.py") == "helpers"
     order = ast.parse("import os\ndef a(x):\n    return b(x) + os.sep\ndef b(word):\n    c = word\n    return c\n"
                       "def c(b):\n    return b\n")
     assert used_before_defined(order) == [(2, "b")]

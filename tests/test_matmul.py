@@ -16,12 +16,9 @@ import weakref
 import pytest
 import torch
 
-import kernel
-import matmul
-import mma
-import quantstate
 from helpers import assert_unchanged, failures_in_threads, linear4bit, quantize, snapshot
-from matmul import MatmulConfig
+from nf4_triton import kernel, matmul, mma, quantstate
+from nf4_triton.matmul import MatmulConfig
 from reference import dequantize_reference, linear_error_bound, linear_reference
 
 HAS_CUDA = torch.cuda.is_available()
@@ -335,7 +332,7 @@ def test_routes_are_well_formed():
     assert not any(route.config is not None and route.config.mma for route in matmul.MATMUL_ROUTES[(7, 5)])
     for capability, routes in matmul.MATMUL_ROUTES.items():  # wgmma is sm_90's alone
         assert capability == (9, 0) or not any(route.config is not None and route.config.wgmma for route in routes)
-    # the H100's tables at the measured points (matmulbench.py --sweep)
+    # the H100's tables at the measured points (bench/matmul.py --sweep)
     route = matmul.choose_route
     assert route((9, 0), 1, 4096, 14336).config.mma and route((9, 0), 3, 4096, 4096).config.split_k == 8
     assert route((9, 0), 1, 4096, 1024).config.split_k == 16 and route((9, 0), 2, 4096, 1024).config.split_k == 16
@@ -430,15 +427,15 @@ def test_mma_route_falls_back_to_the_tl_table():
 
 
 def test_readme_matmul_table_is_the_committed_csv():
-    """The README's matmul table is what ``matmulbench.readme_table`` makes of results/'s matmul.csv."""
+    """The README's matmul table is what ``bench.matmul.readme_table`` makes of results/'s matmul.csv."""
     import os
 
-    import matmulbench
+    import bench.matmul
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "README.md"), encoding="utf-8") as handle:
         readme = handle.read()
-    table = matmulbench.readme_table(os.path.join(root, "results", "nvidia-h100-80gb-hbm3", "matmul.csv"))
+    table = bench.matmul.readme_table(os.path.join(root, "results", "nvidia-h100-80gb-hbm3", "matmul.csv"))
     assert "\n".join(table) in readme
 
 

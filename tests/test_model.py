@@ -5,9 +5,8 @@ on the launch-plan fast path, on one GPU and split over two."""
 import pytest
 import torch
 
-import dropin
-import kernel
-import modelbench
+import bench.model
+from nf4_triton import dropin, kernel
 
 pytestmark = pytest.mark.gpu
 
@@ -18,11 +17,11 @@ TINY = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_att
 def saved_model(tmp_path_factory):
     pytest.importorskip("transformers")
     folder = str(tmp_path_factory.mktemp("tiny-llama"))
-    modelbench.SIZES["tiny"] = TINY
+    bench.model.SIZES["tiny"] = TINY
     try:
-        modelbench.save_random_llama("tiny", folder, vocab_size=1000)
+        bench.model.save_random_llama("tiny", folder, vocab_size=1000)
     finally:
-        del modelbench.SIZES["tiny"]
+        del bench.model.SIZES["tiny"]
     return folder
 
 
@@ -46,7 +45,7 @@ def logits_and_fast_path(model):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_logits_equal_bitsandbytes(saved_model, dtype):
-    model = modelbench.load_4bit(saved_model, dtype)
+    model = bench.model.load_4bit(saved_model, dtype)
     expected, got = logits_and_fast_path(model)
     assert torch.equal(got, expected)
 
@@ -57,8 +56,8 @@ def test_model_split_over_two_gpus(saved_model):
     each layer launches on its own and stays on the fast path."""
     device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1,
                   "model.rotary_emb": 0, "lm_head": 1}
-    model = modelbench.load_4bit(saved_model, torch.bfloat16, device_map=device_map)
-    devices = {layer.weight.device.index for layer in modelbench.linear4bit_layers(model)}
+    model = bench.model.load_4bit(saved_model, torch.bfloat16, device_map=device_map)
+    devices = {layer.weight.device.index for layer in bench.model.linear4bit_layers(model)}
     assert devices == {0, 1}
     with torch.cuda.device(0):
         expected, got = logits_and_fast_path(model)

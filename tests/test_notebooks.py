@@ -1,4 +1,4 @@
-"""The two notebooks: what `notebooks.py` writes from its one template (outputs aside), carrying the
+"""The two notebooks: what `tools/notebooks.py` writes from its one template (outputs aside), carrying the
 repository's modules byte for byte, every section present, and Run all working end to end in smoke mode
 (small shapes; through the interpreter when there is no GPU) alone in an empty folder."""
 
@@ -10,7 +10,7 @@ import tempfile
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
-import notebooks
+from tools import notebooks
 
 ROOT = notebooks.ROOT
 SECTIONS = ["## 1. Setup", "## 2. The format, derived", "## 3. The kernel", "## 4. Correctness", "## 5. Timing",
@@ -46,14 +46,14 @@ def output_text(notebook):
 
 def test_committed_notebooks_are_what_the_generator_writes():
     """One template for both: a hand edit, a drifted copy or a changed module fails here."""
-    assert notebooks.stale() == [], "run `python notebooks.py` and commit both notebooks"
+    assert notebooks.stale() == [], "run `python -m tools.notebooks` and commit both notebooks"
 
 
 @pytest.mark.parametrize("name", notebooks.NOTEBOOKS)
 def test_embedded_modules_are_the_repository_files(name):
     notebook = load(name)
     files = embedded_files(notebook)
-    assert list(files) == [f"{module}.py" for module in notebooks.project_modules()]  # pyproject.toml's py-modules
+    assert list(files) == notebooks.notebook_files()  # the package, kernel.py, the benchmark modules it imports
     for file, text in files.items():
         assert text == repository_file(file), f"{file} embedded in {name} differs from the repository's"
     heading = next(cell for cell in notebook.cells if cell.get("id") == notebooks.PROJECT_FILES_ID)
@@ -81,7 +81,7 @@ def test_structure(name):
     code = [cell.source for cell in notebook.cells
             if cell.cell_type == "code" and not cell.source.startswith(notebooks.WRITEFILE)]
     assert not any(re.search(r"@triton\.jit|tl\.load|tl\.store", source) for source in code)  # the kernel lives in kernel.py
-    assert any("import kernel" in source for source in code)
+    assert any("from nf4_triton import kernel" in source for source in code)
     assert os.path.getsize(os.path.join(ROOT, name)) < 2 * 2**20
 
 
@@ -93,20 +93,23 @@ def run_until_modules(notebook, folder):
 
 
 def test_next_to_a_clone_the_repository_files_are_used():
-    notebook = notebooks.build("nf4_dequant_T4.ipynb", notebooks.module_sources(notebooks.project_modules()))
+    notebook = notebooks.build("nf4_dequant_T4.ipynb", notebooks.module_sources(notebooks.notebook_files()))
     text = run_until_modules(notebook, ROOT)
-    for module in notebooks.project_modules():
-        assert f"{module}: {os.path.join(ROOT, module)}.py (the same as the copy above)" in text, text
+    for path in notebooks.notebook_files():
+        assert f"{path}: {os.path.join(ROOT, path)} (the same as the copy above)" in text, text
 
 
-def test_a_different_file_next_to_the_notebook_wins_and_is_kept(tmp_path):
-    changed = repository_file("dropin.py") + "# changed by hand\n"
-    (tmp_path / "dropin.py").write_text(changed)
-    notebook = notebooks.build("nf4_dequant_L4.ipynb", notebooks.module_sources(notebooks.project_modules()))
+def test_a_different_package_next_to_the_notebook_wins_and_is_kept(tmp_path):
+    """A package folder next to the notebook (a clone's, edited) is the one imported; bench/ still from the copies."""
+    shutil.copytree(os.path.join(ROOT, "nf4_triton"), tmp_path / "nf4_triton", ignore=shutil.ignore_patterns("__pycache__"))
+    changed = repository_file("nf4_triton/dropin.py") + "# changed by hand\n"
+    (tmp_path / "nf4_triton" / "dropin.py").write_text(changed)
+    notebook = notebooks.build("nf4_dequant_L4.ipynb", notebooks.module_sources(notebooks.notebook_files()))
     text = run_until_modules(notebook, tmp_path)
-    assert f"dropin: {tmp_path / 'dropin.py'} (differs from the copy above)" in text, text
-    assert "kernel: the copy above" in text
-    assert (tmp_path / "dropin.py").read_text() == changed
+    assert f"nf4_triton/dropin.py: {tmp_path / 'nf4_triton' / 'dropin.py'} (differs from the copy above)" in text, text
+    assert f"nf4_triton/kernel.py: {tmp_path / 'nf4_triton' / 'kernel.py'} (the same as the copy above)" in text, text
+    assert "bench/timing.py: the copy above" in text
+    assert (tmp_path / "nf4_triton" / "dropin.py").read_text() == changed
 
 
 @pytest.mark.long  # on a GPU (CI runs both on the CPU)
@@ -120,8 +123,8 @@ def test_run_all_in_smoke_mode_alone(name, tmp_path, monkeypatch):
     monkeypatch.setenv("NF4_NOTEBOOK_SMOKE", "1")
     # A whole smoke run takes about 10 s here, so 60 s per cell turns any stall into a failure within a minute.
     text = output_text(notebooks.execute(notebook, str(tmp_path), timeout=60))
-    for module in notebooks.project_modules():
-        assert f"{module}: the copy above" in text
+    for path in notebooks.notebook_files():
+        assert f"{path}: the copy above" in text
     assert "smoke mode: True" in text
     assert "hand decode == bitsandbytes, bit for bit: True" in text
     assert "graph breaks: 0" in text

@@ -14,9 +14,8 @@ import weakref
 import pytest
 import torch
 
-import kernel
-import quantstate
 from helpers import assert_bit_exact, bit_exact, expected_values, failures_in_threads, linear4bit, offset_copy, quantize
+from nf4_triton import kernel, quantstate
 from reference import dequantize_reference
 
 
@@ -468,8 +467,8 @@ import os, sys
 sys.path[:0] = sys.argv[1:3]
 before = dict(os.environ)
 import torch
-import kernel
-import fastpath
+from nf4_triton import kernel
+from nf4_triton import fastpath
 from helpers import expected_values, quantize
 changed = set(os.environ.items()) ^ set(before.items())
 print("environment unchanged by import" if not changed else f"environment changed: {changed}")

@@ -63,14 +63,14 @@ def headline_numbers():
     label = "QLoRA step, small models (2048x5632, 4 layers; 4096x14336, 2 layers): host-bound"
     expected[label] = ([f"{min(speedups):.2f}", f"{max(speedups):.2f}"], [f"all {len(speedups)} cases"])
     small = [ratio for flavour in (1, 2) for (model_name, name), ratio in fsdp_speedups(flavour).items()
-             if "@" not in model_name]  # modelbench's models: no tokens spelled in the name
+             if "@" not in model_name]  # bench.model's models: no tokens spelled in the name
     expected["FSDP QLoRA step, two H100s, small models: host-bound"] = (
         [f"{min(small):.2f}", f"{max(small):.2f}"], ["FSDP1 and FSDP2", "both of its runs"])
     return expected
 
 
 def fsdp_speedups(flavour):
-    """{(model, bitsandbytes run): its step time over the drop-in's} of fsdp_qlora.py's committed run."""
+    """{(model, bitsandbytes run): its step time over the drop-in's} of bench/bench.fsdp_qlora.py's committed run."""
     fsdp = rows(os.path.join(H100, f"fsdp{flavour}.csv"))
     assert {(row["gpu"], row["world_size"]) for row in fsdp} == {("NVIDIA H100 80GB HBM3", "2")}  # "two H100s"
     step = {(row["model"], row["implementation"]): float(row["median_step_ms"]) for row in fsdp}
@@ -79,7 +79,7 @@ def fsdp_speedups(flavour):
 
 
 def serve(dtype, layers="", folder=H100):
-    """{(kind, tokens, implementation): row} of servebench's CSV for ``dtype`` in ``folder`` (``layers``:
+    """{(kind, tokens, implementation): row} of bench.serve's CSV for ``dtype`` in ``folder`` (``layers``:
     "_32layers" for the whole model's run), and bitsandbytes' time over each row's ("x" speedups)."""
     found = {(row["kind"], row["tokens"], row["implementation"]): row
              for row in rows(os.path.join(folder, f"serve_{dtype}{layers}.csv"))}
@@ -91,8 +91,8 @@ def serve(dtype, layers="", folder=H100):
 
 DECODE = [f"{batch}x128+128" for batch in (1, 8, 32, 64)]
 PREFILL = ["1x128", "1x512", "8x512", "1x2048"]
-FLOOR = "floor (bytes once)"  # bench_contenders.MATMUL_FLOOR
-MERGED = "nf4-triton (merged)"  # servebench.MERGED
+FLOOR = "floor (bytes once)"  # bench.contenders.MATMUL_FLOOR
+MERGED = "nf4-triton (merged)"  # bench.serve.MERGED
 
 
 def merged_speedup(found, kind, tokens):

@@ -13,8 +13,8 @@ import threading
 import pytest
 import torch
 
-import kernel
 from helpers import assert_bit_exact, bit_exact, bnb_dequantize, expected_values, failures_in_threads, quantize
+from nf4_triton import kernel
 from reference import dequantize_reference
 
 FUZZ_SEED = int(os.environ.get("NF4_FUZZ_SEED", "20261121"))

@@ -9,10 +9,9 @@ import torch
 import triton
 from tqdm import tqdm  # text bars: a saved notebook shows their last state; a widget bar needs a live kernel
 
-import bench_contenders
-import bench_results
-import fastpath
-import kernel
+import bench.contenders
+import bench.results
+from nf4_triton import fastpath, kernel
 
 HARNESS_ROUNDS_PER_ROUND = 3  # harness rounds per round of the other sections
 HARNESS_OPTIONS = [
@@ -114,7 +113,7 @@ def run(rounds, meta, log):
     floor instrument runs in the same rounds: ours minus the floor is our kernel time plus
     whatever host time we spend beyond the floor."""
     funcs = {"nf4-triton": kernel.your_dequantize_nf4}
-    for name, fn in bench_contenders.unsloth_functions(log).items():
+    for name, fn in bench.contenders.unsloth_functions(log).items():
         funcs[name] = lambda layer, fn=fn: fn(layer.weight, layer.weight.quant_state)
     funcs[HARNESS_FLOOR] = harness_floor()
     options_layers = [harness_layers(hd, m, seed, dtype) for _, _, hd, m, seed, dtype in HARNESS_OPTIONS]
@@ -125,7 +124,7 @@ def run(rounds, meta, log):
         for name in list(funcs) if round_index % 2 == 0 else reversed(funcs):  # no contender always first
             samples[name].append(harness_seconds(funcs[name], options_layers))
         log(f"harness round {round_index + 1}: " + ", ".join(f"{n} {s[-1]:.3f} s" for n, s in samples.items()))
-    rows = [bench_results.seconds_row(meta, "harness", "3 options", "fp16+bf16", name, times)
+    rows = [bench.results.seconds_row(meta, "harness", "3 options", "fp16+bf16", name, times)
             for name, times in samples.items()]
     ours = statistics.median(samples["nf4-triton"])
     log(f"harness: ours {ours:.3f} s, {HARNESS_FLOOR} {statistics.median(samples[HARNESS_FLOOR]):.3f} s")

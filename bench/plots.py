@@ -1,7 +1,7 @@
 """Charts of a results folder, drawn from its CSVs alone: kernel time as % of the copy roofline
 (kernel_roofline.png), the launch sweep (sweep.png), the model's speed over bitsandbytes
-(model.png), the fused matmul over M (matmul.png), servebench's decode, prefill and QLoRA
-(serve.png, serve_losses.png) and fsdp_qlora.py's loss curves per FSDP flavour and size
+(model.png), the fused matmul over M (matmul.png), bench.serve's decode, prefill and QLoRA
+(serve.png, serve_losses.png) and bench/bench.fsdp_qlora.py's loss curves per FSDP flavour and size
 (fsdp_losses.png). ``python bench.py --plot FOLDER`` redraws them."""
 
 import os
@@ -99,7 +99,7 @@ def plot_matmul(frame, path, plt):
 
 
 def plot_serve(folder):
-    """servebench's charts from the folder's serve_<dtype>.csv files: decode tokens/s against batch and
+    """bench.serve's charts from the folder's serve_<dtype>.csv files: decode tokens/s against batch and
     each timed case over bitsandbytes (serve.png), the QLoRA loss curves (serve_losses.png)."""
     import glob
 
@@ -114,7 +114,7 @@ def plot_serve(folder):
         return []
     frame = pd.concat([pd.read_csv(path) for path in paths], ignore_index=True)
     if not frame["kind"].isin(["decode", "prefill", "qlora-step", "qlora-step-checkpointed"]).any():
-        return []  # a run of sections these charts do not draw (servebench.py --sections merged)
+        return []  # a run of sections these charts do not draw (bench/serve.py --sections merged)
     dtypes = list(dict.fromkeys(frame["dtype"]))
     meta = frame.iloc[0]
     with_decode = bool((frame["kind"] == "decode").any())  # not in a run of training alone (--sections train)
@@ -141,7 +141,7 @@ def plot_serve(folder):
     written = [_save_with_legend_below(plt, fig, axes, os.path.join(folder, "serve.png"), run_line(meta), ncol=None,
                                        fontsize=9, bottom=0.06, dpi=90)]
     losses = frame[frame["kind"] == "loss"]
-    if losses.empty:  # a run without the curves section (servebench.py --sections)
+    if losses.empty:  # a run without the curves section (bench/serve.py --sections)
         return written
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
     for ax, dtype in zip(axes.flat, dtypes):
@@ -156,7 +156,7 @@ def plot_serve(folder):
 
 
 def plot_fsdp(folder):
-    """fsdp_qlora.py's loss curves (fsdp_losses.png) from each flavour whose fsdpN.csv and
+    """bench/bench.fsdp_qlora.py's loss curves (fsdp_losses.png) from each flavour whose fsdpN.csv and
     fsdpN_losses.csv are in the folder: a panel per flavour and size, a line per contender; returns
     the paths written (none where no flavour's files are there)."""
     import matplotlib

@@ -16,10 +16,10 @@ that only allocates and launches an empty kernel; the compile section compiles t
 our six input tensors, a graph with no validation and no decode.
 Without a GPU it says so and runs a small correctness demo through the interpreter.
 
-One module per concern: bench_timing (how a call is timed), bench_results (rows, versions, CSVs),
-bench_weights and bench_contenders (what is timed, the instruments), one module per section
-(bench_kernels, bench_harness, bench_compile, bench_sweep, bench_forms, modelbench) and
-bench_plots (the charts). This file reads the command line and runs the sections.
+One module per concern: bench.timing (how a call is timed), bench.results (rows, versions, CSVs),
+bench.weights and bench.contenders (what is timed, the instruments), one module per section
+(bench.kernels, bench.harness, bench.compile, bench.sweep, bench.forms, bench.model) and
+bench.plots (the charts). This file reads the command line and runs the sections.
 """
 
 import argparse
@@ -27,18 +27,18 @@ import argparse
 import torch
 from tqdm import tqdm  # text bars: a saved notebook shows their last state; a widget bar needs a live kernel
 
-import bench_compile
-import bench_forms
-import bench_harness
-import bench_kernels
-import bench_plots
-import bench_results
-import bench_sweep
-import bench_timing
-import bench_weights
-import kernel
-import matmulbench
-import modelbench
+import bench.compile
+import bench.forms
+import bench.harness
+import bench.kernels
+import bench.matmul
+import bench.model
+import bench.plots
+import bench.results
+import bench.sweep
+import bench.timing
+import bench.weights
+from nf4_triton import kernel
 
 SECTIONS = ("kernels", "harness", "compile", "sweep", "forms", "model", "matmul")
 DEFAULT_SECTIONS = ("kernels", "harness", "compile", "sweep", "forms")  # "model" and "matmul" take minutes more
@@ -47,7 +47,7 @@ DEFAULT_SECTIONS = ("kernels", "harness", "compile", "sweep", "forms")  # "model
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help=f"{len(bench_weights.QUICK_SHAPES)} shapes, fewer rounds, the first model size")
+                        help=f"{len(bench.weights.QUICK_SHAPES)} shapes, fewer rounds, the first model size")
     parser.add_argument("--dtype", choices=["fp16", "bf16", "all"], default="all")
     parser.add_argument("--out", default="results", help="folder for CSVs (a per-GPU subfolder is made)")
     parser.add_argument("--rounds", type=int, default=None)
@@ -67,7 +67,7 @@ def cpu_demo():
     import bitsandbytes.functional as F
 
     print("No CUDA GPU: nothing to time. Running a small correctness demo through Triton's interpreter.")
-    bench_weights.quiet_bitsandbytes_cpu_notice()
+    bench.weights.quiet_bitsandbytes_cpu_notice()
     weight = torch.randn(24, 320, generator=torch.Generator().manual_seed(0))
     packed, state = F.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
     state.dtype = torch.bfloat16
@@ -82,42 +82,42 @@ def cpu_demo():
 def main(argv=None):
     args = parse_args(argv)
     if args.plot:
-        print("\n".join(bench_plots.plot(args.plot)))
+        print("\n".join(bench.plots.plot(args.plot)))
         return
     if not torch.cuda.is_available():
         cpu_demo()
         return
 
     sections = args.sections
-    dtypes = bench_weights.DTYPES if args.dtype == "all" else {args.dtype: bench_weights.DTYPES[args.dtype]}
-    shapes = bench_weights.QUICK_SHAPES if args.quick else bench_weights.SHAPES
+    dtypes = bench.weights.DTYPES if args.dtype == "all" else {args.dtype: bench.weights.DTYPES[args.dtype]}
+    shapes = bench.weights.QUICK_SHAPES if args.quick else bench.weights.SHAPES
     rounds = args.rounds or (3 if args.quick else 5)
-    meta = bench_results.run_metadata()
+    meta = bench.results.run_metadata()
     print(meta)
-    rooflines = bench_timing.copy_roofline()
+    rooflines = bench.timing.copy_roofline()
     print("device-to-device copy: " + ", ".join(f"{gbps:.0f} GB/s ({timer})" for timer, gbps in rooflines.items()))
-    rows = bench_results.roofline_rows(meta, rooflines)
+    rows = bench.results.roofline_rows(meta, rooflines)
     if "kernels" in sections:
-        rows += bench_kernels.run(shapes, dtypes, rounds, rooflines, meta, tqdm.write)
+        rows += bench.kernels.run(shapes, dtypes, rounds, rooflines, meta, tqdm.write)
     if "harness" in sections:
         # A harness round takes about 2 s on the H100 host, and its per-round ratio against Unsloth
         # fused spanned 1.20 to 1.66 over 7 rounds of one run (NOTES.md, item 50): three times the rounds.
-        rows += bench_harness.run(bench_harness.HARNESS_ROUNDS_PER_ROUND * rounds, meta, tqdm.write)
+        rows += bench.harness.run(bench.harness.HARNESS_ROUNDS_PER_ROUND * rounds, meta, tqdm.write)
     if "compile" in sections:
-        rows += bench_compile.run(bench_compile.COMPILE_SHAPES, dtypes, rounds, rooflines, meta, tqdm.write)
+        rows += bench.compile.run(bench.compile.COMPILE_SHAPES, dtypes, rounds, rooflines, meta, tqdm.write)
     if "sweep" in sections:
-        rows += bench_sweep.run(bench_weights.QUICK_SHAPES, dtypes, rooflines, meta, tqdm.write)
+        rows += bench.sweep.run(bench.weights.QUICK_SHAPES, dtypes, rooflines, meta, tqdm.write)
     if "forms" in sections:
-        rows += bench_forms.run(rounds, meta, tqdm.write)
+        rows += bench.forms.run(rounds, meta, tqdm.write)
     if "model" in sections:
-        sizes = list(modelbench.SIZES)[:1] if args.quick else list(modelbench.SIZES)
-        rows += modelbench.run(sizes, dtypes, rounds, meta, tqdm.write)
+        sizes = list(bench.model.SIZES)[:1] if args.quick else list(bench.model.SIZES)
+        rows += bench.model.run(sizes, dtypes, rounds, meta, tqdm.write)
     if "matmul" in sections:
-        rows += matmulbench.run(dtypes, rounds, rooflines, meta, tqdm.write,
-                                rows=matmulbench.QUICK_ROWS if args.quick else matmulbench.ROWS)
+        rows += bench.matmul.run(dtypes, rounds, rooflines, meta, tqdm.write,
+                                rows=bench.matmul.QUICK_ROWS if args.quick else bench.matmul.ROWS)
 
-    folder = bench_results.write_results(rows, bench_results.results_folder(args.out))
-    print("wrote", ", ".join(bench_plots.plot(folder)), "and the CSVs in", folder)
+    folder = bench.results.write_results(rows, bench.results.results_folder(args.out))
+    print("wrote", ", ".join(bench.plots.plot(folder)), "and the CSVs in", folder)
 
 
 if __name__ == "__main__":

@@ -29,12 +29,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-import fastpath
-import kernel
-import mma
-import quantstate
-from fastpath import INTERPRET, device_facts, jit, sum_combine
-from kernel import TL_DTYPE, add_rn, decode, fp32_to_bf16_rne, lookup, mul_ftz
+from nf4_triton import fastpath, kernel, mma, quantstate
+from nf4_triton.fastpath import INTERPRET, device_facts, jit, sum_combine
+from nf4_triton.kernel import TL_DTYPE, add_rn, decode, fp32_to_bf16_rne, lookup, mul_ftz
 
 __all__ = ["nf4_linear", "nf4_linear_group", "group_plan", "GroupPlan", "GROUP_MAX_ROWS", "linear_group", "linear_by_route",
            "linear_unchecked", "check_call", "route_taken", "decoded_weight", "choose_route", "device_route", "Route",
@@ -322,7 +319,7 @@ _TL_128 = C(128, 64, 128, 2, True, 4, 3, 2)
 # Compute capability -> routes, the first one a call fits wins (else dequantize + cuBLAS).
 # The tl kernels' table, for calls mma.py's kernel cannot run (Triton before 3.6, fp32 x, sm_75).
 # sm_90: the fastest path at each point of the H100 sweep in bf16 (CUDA-graph GPU time per call,
-# ``matmulbench.py --sweep``; NOTES.md item 70), us for bitsandbytes / dequantize + cuBLAS / fused:
+# ``bench/matmul.py --sweep``; NOTES.md item 70), us for bitsandbytes / dequantize + cuBLAS / fused:
 TL_ROUTES = {
     (9, 0): (
         # its GEMV at one row, its small-batch kernel at two: 29.3 / 100.3 / 36.8 and 44.4 / 100.3 / 51.1 at 4096x14336

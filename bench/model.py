@@ -7,7 +7,7 @@ per contender, rounds interleaved (the order turns each round): prefill (inferen
 several token counts, a QLoRA training step (PEFT LoRA r=16 on every linear layer, forward +
 backward + AdamW) with and without gradient checkpointing, and, per layer shape, bitsandbytes' own
 4-bit matmul against dequantize + matmul at small token counts (where bitsandbytes uses its fused
-kernels). Section ``model`` of bench.py runs it; fsdp_qlora.py builds and loads its model the same way.
+kernels). Section ``model`` of bench.py runs it; bench/bench.fsdp_qlora.py builds and loads its model the same way.
 """
 
 import contextlib
@@ -17,10 +17,9 @@ import time
 
 import torch
 
-import bench_contenders
-import bench_timing
-import dropin
-import kernel
+import bench.contenders
+import bench.timing
+from nf4_triton import dropin, kernel
 
 SIZES = {  # the first: a small model whose host time matters; the second: the challenge's layers
     "2048x5632x4": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
@@ -32,7 +31,7 @@ PREFILL_TOKENS = [(1, 1), (1, 128), (4, 512)]  # (batch, sequence)
 TRAIN_TOKENS = (4, 512)
 CROSSOVER_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 1536]
 LORA_RANK = 16
-LLAMA3_VOCAB = 128256  # the real-size models' vocabulary (servebench.py, fsdp_qlora.py)
+LLAMA3_VOCAB = 128256  # the real-size models' vocabulary (bench/serve.py, bench/bench.fsdp_qlora.py)
 
 
 def llama_config(size, vocab_size=32000, layers=None):
@@ -92,7 +91,7 @@ def route(model, contender, dequantize_functions):
 def contenders(log=print):
     """name -> dequantize function for the drop-in (None: bitsandbytes' own forward)."""
     found = {"bitsandbytes": None, "nf4-triton": kernel.dequantize_nf4}
-    unsloth = bench_contenders.unsloth_fast_dequantize(log)
+    unsloth = bench.contenders.unsloth_fast_dequantize(log)
     if unsloth is not None:
         found["unsloth-fused"] = unsloth
     return found
@@ -121,7 +120,7 @@ def kernel_time(fn, calls=3):
         for _ in range(calls):
             fn()
 
-    kernels = bench_timing.cuda_records(profiled_calls)
+    kernels = bench.timing.cuda_records(profiled_calls)
     total = sum(e.time_range.elapsed_us() for e in kernels)
     dequant = sum(e.time_range.elapsed_us() for e in kernels if "dequant" in e.name.lower())
     return total / calls / 1e3, (dequant / total if total else 0.0)
@@ -151,7 +150,7 @@ def train_step_fn(model, optimizer, batch, seq, vocab_size):
 
 
 def row(meta, kind, size, dtype_name, tokens, implementation, seconds, peaks, profile, **extra):
-    median, p20, p80 = bench_timing.summarize(seconds)
+    median, p20, p80 = bench.timing.summarize(seconds)
     n_tokens = tokens[0] * tokens[1]
     return dict(meta, kind=kind, model=size, dtype=dtype_name, tokens=f"{tokens[0]}x{tokens[1]}",
                 implementation=implementation, median_ms=median * 1e3, p20_ms=p20 * 1e3,
@@ -168,7 +167,7 @@ def bench_prefill(model, size, dtype_name, rounds, functions, meta, log):
         samples = {name: ([], []) for name in functions}
         logits = {}
         for round_index in range(rounds):
-            for name in bench_timing.turned(list(functions), round_index):
+            for name in bench.timing.turned(list(functions), round_index):
                 route(model, name, functions)
                 seconds, peak = timed(prefill, calls)
                 samples[name][0].append(seconds)
@@ -204,7 +203,7 @@ def bench_train(model, size, dtype_name, rounds, functions, meta, log, tokens=TR
         step = train_step_fn(model, optimizer, *tokens, vocab)
         samples = {name: ([], []) for name in functions}
         for round_index in range(rounds):
-            for name in bench_timing.turned(list(functions), round_index):
+            for name in bench.timing.turned(list(functions), round_index):
                 route_to(model, name)
                 seconds, peak = timed(step, 5)
                 samples[name][0].append(seconds)

@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-import bench_weights
-import kernel
-from fastpath import jit, sum_combine
+import bench.weights
+from nf4_triton import kernel
+from nf4_triton.fastpath import jit, sum_combine
 
 # Measuring instruments among the contenders: they move the same bytes but do not dequantize.
 INSTRUMENTS = ("floor (no decode)", "copy (same bytes)")
@@ -28,7 +28,7 @@ def contenders(log=print):
     try:
         from peft.utils.integrations import dequantize_module_weight
 
-        found["peft"] = lambda packed, state: dequantize_module_weight(bench_weights.params4bit_module(packed, state))
+        found["peft"] = lambda packed, state: dequantize_module_weight(bench.weights.params4bit_module(packed, state))
     except Exception as error:
         log(f"peft: skipped ({type(error).__name__}: {error})")
     found["floor (no decode)"] = expand_floor
@@ -119,7 +119,7 @@ def compiled_floor(packed, state):
 def same_bytes_copy(packed, state):
     """A device-to-device copy moving as many bytes as the dequantization (half read, half
     written): what the copy roofline reaches at this size, launch and ramp included."""
-    half = bench_weights.bytes_moved(tuple(state.shape), state.dtype) // 2
+    half = bench.weights.bytes_moved(tuple(state.shape), state.dtype) // 2
     return torch.empty(half, dtype=torch.uint8, device=packed.device).copy_(_copy_source(half, packed.device))
 
 

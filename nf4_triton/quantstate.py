@@ -11,8 +11,8 @@ import weakref
 
 import torch
 
-import fastpath
-from fastpath import INTERPRET, launch_hooks_active
+from nf4_triton import fastpath
+from nf4_triton.fastpath import INTERPRET, launch_hooks_active
 
 __all__ = ["OUTPUT_DTYPES", "require", "is_power_of_two", "weight_and_state", "resolve", "check_weight", "check_state",
            "checked_state", "kept_check", "packed_bytes", "offset_tensor", "StateFacts", "WeightPlan"]

@@ -1,12 +1,13 @@
 """The two notebooks, written from one template: nf4_dequant_T4.ipynb (fp16) and nf4_dequant_L4.ipynb (bf16).
 
-    python notebooks.py             write both; a code cell whose source is unchanged keeps its outputs
-    python notebooks.py --check     exit 1 where a committed notebook differs from what would be written (outputs aside)
-    python notebooks.py --execute   write both, then Run all of each in an empty temporary folder, outputs kept (a GPU)
-    python notebooks.py [--check|--execute] NOTEBOOK   only that one (two GPUs: one process each, CUDA_VISIBLE_DEVICES
-                                    apart; both write the same module files, byte for byte, to one folder)
+    python -m tools.notebooks             write both; a code cell whose source is unchanged keeps its outputs
+    python -m tools.notebooks --check     exit 1 where a committed notebook differs from what would be written (outputs aside)
+    python -m tools.notebooks --execute   write both, then Run all of each in an empty temporary folder, outputs kept (a GPU)
+    python -m tools.notebooks [--check|--execute] NOTEBOOK   only that one (two GPUs: one process each,
+                                    CUDA_VISIBLE_DEVICES apart; both write the same module files, byte for byte, to one folder)
 
-Each notebook carries the project's modules, pyproject.toml's `py-modules`, as `%%writefile` cells under one
+Each notebook carries what it imports (``notebook_files``: the package ``nf4_triton``, the challenge's ``kernel.py``
+and the benchmark modules its cells import, with theirs) as `%%writefile` cells under one
 heading that Colab and JupyterLab show collapsed ("Project files, generated from the repository; do not edit"),
 so that it runs opened alone. They are written to a temporary folder named by their contents; a module file next
 to the notebook (a clone, an upload) wins over its copy, and the next cell says which file each module came from.
@@ -14,6 +15,7 @@ Committed outputs read without a kernel: no widget views (their state needs one)
 """
 
 import argparse
+import glob
 import hashlib
 import os
 import re
@@ -22,9 +24,8 @@ import tempfile
 import time
 
 import nbformat
-import tomllib
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The words that differ between the two notebooks: `<<name>>` in the template.
 NOTEBOOKS = {
@@ -97,57 +98,50 @@ else:
 
 TEMPLATE_AFTER_PROJECT_FILES = [
     ("markdown", "modules-intro", r"""### The project's modules
-A module file next to this notebook (a clone of the repository, or files uploaded with *UPLOAD*) wins
-over its copy above. With *REPO_URL* set to the repository's address, pip installs the project from
-there and the copies above stay unused. The cell says which file each module comes from."""),
+A file next to this notebook (a clone of the repository) wins over its copy above. With *REPO_URL* set
+to the repository's address, pip installs the package `nf4_triton` from there, and only the benchmark
+modules come from the copies. The cell says which file each module comes from."""),
     ("code", "modules", r"""# @title Where the project's modules come from
 REPO_URL = ""  # @param {type:"string"}
-UPLOAD = False  # @param {type:"boolean"}
 import filecmp
 import importlib
 import importlib.util
 
-MODULES = <<modules>>  # pyproject.toml's py-modules
-if UPLOAD and IN_COLAB:
-    from google.colab import files
-
-    print("upload " + ", ".join(f"{name}.py" for name in MODULES) + " from the repository")
-    files.upload()
+FILES = <<modules>>  # what this notebook carries (tools/notebooks.py, notebook_files)
 if REPO_URL:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"git+{REPO_URL}"], check=True)
-elif PROJECT_FILES not in sys.path:
+if PROJECT_FILES not in sys.path:  # after this notebook's folder; after installed packages where pip installed them
     here = next((i for i, entry in enumerate(sys.path) if os.path.abspath(entry or ".") == os.getcwd()), -1)
-    sys.path.insert(here + 1, PROJECT_FILES)  # after this notebook's folder, before installed packages
-importlib.invalidate_caches()  # a module pip or the upload just brought is found without a restart
-for name in MODULES:
+    sys.path.insert(len(sys.path) if REPO_URL else here + 1, PROJECT_FILES)
+importlib.invalidate_caches()  # what pip just brought is found without a restart
+for path in FILES:
+    name = path[:-len(".py")].replace("/", ".").removesuffix(".__init__")
     spec = importlib.util.find_spec(name)
-    if spec is None:
-        raise SystemExit(f"{name}.py not found: clear REPO_URL to use the copies above, or upload every module.")
-    copy = os.path.join(PROJECT_FILES, f"{name}.py")
-    if os.path.dirname(spec.origin) == PROJECT_FILES:
-        print(f"{name}: the copy above")
+    copy = os.path.join(PROJECT_FILES, path)
+    if spec.origin == copy:
+        print(f"{path}: the copy above")
     else:
         same = filecmp.cmp(spec.origin, copy, shallow=False)
-        print(f"{name}: {spec.origin} ({'the same as' if same else 'differs from'} the copy above)")"""),
+        print(f"{path}: {spec.origin} ({'the same as' if same else 'differs from'} the copy above)")"""),
     ("code", "imports", r"""import torch
 
 SMOKE = os.environ.get("NF4_NOTEBOOK_SMOKE") == "1" or not torch.cuda.is_available()
 import triton
 import bitsandbytes as bnb
 import bitsandbytes.functional as F
-import kernel  # without a GPU its kernels run on CPU tensors through Triton's interpreter
-import bench_contenders
-import bench_harness
-import bench_kernels
-import bench_plots
-import bench_results
-import bench_sweep
-import bench_timing
-import bench_weights
+from nf4_triton import kernel  # without a GPU its kernels run on CPU tensors through Triton's interpreter
+import bench.contenders
+import bench.harness
+import bench.kernels
+import bench.plots
+import bench.results
+import bench.sweep
+import bench.timing
+import bench.weights
 
 DTYPE_NAME, DTYPE = "<<dtype>>", torch.<<torch_dtype>>
 DEVICE = "cpu" if kernel.INTERPRET else "cuda"
-versions = bench_results.versions()
+versions = bench.results.versions()
 if DEVICE == "cuda":
     capability = torch.cuda.get_device_capability()
     print("GPU:", torch.cuda.get_device_name(), "| compute capability", capability)
@@ -231,9 +225,9 @@ The challenge's `test_dequantize` warm-up check, reproduced from the challenge t
     ("code", "challenge-check", r"""if SMOKE:
     print("smoke mode: the challenge check needs CUDA Linear4bit layers; skipped")
 else:
-    fast_dequantize = bench_contenders.unsloth_fast_dequantize()
-    for option in bench_harness.HARNESS_OPTIONS:
-        largest = bench_harness.challenge_check(kernel.your_dequantize_nf4, option, fast_dequantize)
+    fast_dequantize = bench.contenders.unsloth_fast_dequantize()
+    for option in bench.harness.HARNESS_OPTIONS:
+        largest = bench.harness.challenge_check(kernel.your_dequantize_nf4, option, fast_dequantize)
         print(f"option {option[:4]} {option[5]}: passed (|out| max {largest:.3g})"
               + ("" if fast_dequantize else ", Unsloth equality skipped"))"""),
     ("markdown", "bit-exact-intro", r"""Bit-exact against `bitsandbytes.functional.dequantize_4bit` over odd and large shapes, NF4 and FP4, nested and flat:"""),  # noqa: E501
@@ -262,37 +256,37 @@ The challenge harness (wall clock over 1000 x three dequantizations, each follow
     ("code", "harness", r"""import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-RESULTS = None if SMOKE else os.path.join(bench_results.results_folder("results"), f"notebook-{DTYPE_NAME}")
+RESULTS = None if SMOKE else os.path.join(bench.results.results_folder("results"), f"notebook-{DTYPE_NAME}")
 if SMOKE:
     print("smoke mode: no timings")
 else:
-    meta = bench_results.run_metadata()
-    rooflines = bench_timing.copy_roofline()
+    meta = bench.results.run_metadata()
+    rooflines = bench.timing.copy_roofline()
     print("device-to-device copy: " + ", ".join(f"{gbps:.0f} GB/s ({timer})" for timer, gbps in rooflines.items()))
-    rows = bench_results.roofline_rows(meta, rooflines)
-    rows += bench_harness.run(3, meta, print)"""),
+    rows = bench.results.roofline_rows(meta, rooflines)
+    rows += bench.harness.run(3, meta, print)"""),
     ("markdown", "kernel-time-intro", r"""Kernel time per weight shape (`do_bench` medians, L2 flushed, 3 interleaved rounds) as % of the copy bandwidth measured above. *floor (no decode)* reads the packed bytes and writes the output without decoding: no dequantizer with this memory traffic can beat it. The second table is each call's GPU time from the profiler (CUPTI), after the same flush: `do_bench`'s CUDA events also count the GPU front end's time around the kernel, the difference between the two tables."""),  # noqa: E501
     ("code", "kernel-time", r"""if not SMOKE:
-    rows += bench_kernels.run(bench_weights.SHAPES, {DTYPE_NAME: DTYPE}, 3, rooflines, meta, print)
-    bench_results.write_results(rows, RESULTS)
+    rows += bench.kernels.run(bench.weights.SHAPES, {DTYPE_NAME: DTYPE}, 3, rooflines, meta, print)
+    bench.results.write_results(rows, RESULTS)
     for kind, title in (("kernel", "do_bench median, us"), ("kernel-gpu", "GPU time per call (profiler), us")):
         kernels = pd.DataFrame([r for r in rows if r["kind"] == kind])
         print(title)
         print(kernels.pivot(index="shape", columns="implementation", values="median_us").round(2).to_string())
-    for path in bench_plots.plot(RESULTS):
+    for path in bench.plots.plot(RESULTS):
         display(Image(path))"""),
     ("markdown", "sweep-intro", r"""## 6. Launch-parameter sweep
 Bytes per program x warps (inline PTX, hints and word loads on), with the codebooks in global memory and (Triton 3.4 or later) in shared memory, and at 4 warps the PTX off, the hints off, and byte loads instead of words, on four shapes. The best configuration for this GPU (geometric mean over the shapes, relative to each shape's best, by GPU time per call from the profiler: one `do_bench` sample per configuration is too coarse to rank configurations 1 % apart) is installed with `kernel.set_launch_config` for the rest of the notebook: one configuration for every weight size, in place of the table's size tiers."""),  # noqa: E501
     ("code", "sweep", r"""if SMOKE:
     print("smoke mode: no sweep")
 else:
-    sweep = bench_sweep.run(bench_weights.QUICK_SHAPES, {DTYPE_NAME: DTYPE}, rooflines, meta, print)
-    bench_results.write_results(rows + sweep, RESULTS)
-    best, label, slowdown = bench_sweep.best_launch_config(sweep)
+    sweep = bench.sweep.run(bench.weights.QUICK_SHAPES, {DTYPE_NAME: DTYPE}, rooflines, meta, print)
+    bench.results.write_results(rows + sweep, RESULTS)
+    best, label, slowdown = bench.sweep.best_launch_config(sweep)
     kernel.set_launch_config(*best)
     print(f"best: {label} (geometric-mean slowdown {slowdown:.3f} vs each shape's best); "
           f"default {kernel.launch_tiers(device_capability, dram_gbps)}")
-    display(Image(bench_plots.plot(RESULTS)[-1]))"""),
+    display(Image(bench.plots.plot(RESULTS)[-1]))"""),
     ("markdown", "matmul-intro", r"""## 7. The fused matmul
 `matmul.py` computes `x @ W.T` straight from bitsandbytes' packed NF4 bytes and absmax: each program
 decodes its tile of the weight in registers, with the dequantization's arithmetic, and multiplies it
@@ -300,19 +294,19 @@ in, so no 16-bit weight is ever written. Where Gluon runs (Triton 3.6 on, sm_80 
 `mma.py`'s: each weight decoded straight into the register fragment `mma.sync` reads, its code value
 by warp shuffle, and x's tile read once a program into shared memory; elsewhere `matmul.py`'s `tl` kernel. Below, Llama-3-8B's MLP
 up/gate layer (4096 in, 14336 out) in <<dtype>> over M rows of x: the fused kernel against dequantize + `F.linear` (cuBLAS) and
-bitsandbytes' own 4-bit matmul, by the repository's benchmark (`matmulbench.py`: GPU time per call
+bitsandbytes' own 4-bit matmul, by the repository's benchmark (`bench/matmul.py`: GPU time per call
 from CUDA graphs over enough weight copies to be read from memory, the roofline measured here), and
 the fused result against dequantize + `F.linear`. `matmul.choose_route` picks one of the three per
 GPU and row count; its routes were measured on the H100 and the H200, so on any other GPU, the
 <<gpu>> included, they are reasoned, not measured."""),
-    ("code", "matmul", r"""import matmul
-import matmulbench
+    ("code", "matmul", r"""from nf4_triton import matmul
+import bench.matmul
 
 MATMUL_LAYER = (128, 64) if SMOKE else (4096, 14336)  # (in, out); smoke mode: a small weight of the same format
 MATMUL_ROWS = (1, 4) if SMOKE else (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Triton's interpreter computes tl.dot wrong for bf16 operands (tests/test_matmul.py): fp16 through it.
 MATMUL_DTYPE_NAME, MATMUL_DTYPE = ("fp16", torch.float16) if kernel.INTERPRET else (DTYPE_NAME, DTYPE)
-matmul_timer, matmul_points = matmulbench.notebook_points(
+matmul_timer, matmul_points = bench.matmul.notebook_points(
     MATMUL_DTYPE_NAME, MATMUL_DTYPE, MATMUL_LAYER, MATMUL_ROWS, 3 if SMOKE else 5,
     rooflines=None if SMOKE else rooflines, meta=None if SMOKE else meta)
 matmul_table = pd.DataFrame(matmul_points).set_index("M")
@@ -327,7 +321,7 @@ print(f"fused kernel against dequantize + F.linear: largest |difference| {matmul
 assert matmul_difference <= 2**-5 * matmul_largest
 
 figure, ax = plt.subplots(figsize=(6, 4))
-for name in (*matmulbench.SHOWN, "roofline"):
+for name in (*bench.matmul.SHOWN, "roofline"):
     if name in matmul_table:
         ax.plot(matmul_table.index, matmul_table[name], marker="o", markersize=3, label=name,
                 **({"color": "black", "linestyle": "--"} if name == "roofline" else {}))
@@ -338,15 +332,15 @@ ax.set_ylabel(matmul_timer)
 ax.set_title(matmul_layer, fontsize=10)
 ax.grid(True, which="both", linewidth=0.3)
 ax.legend(fontsize=8)
-plt.close(figure)  # shown by display, as the explorer's view: bench_plots switched the backend to Agg
+plt.close(figure)  # shown by display, as the explorer's view: bench.plots switched the backend to Agg
 display(figure)"""),
     ("markdown", "explorer-intro", r"""## 8. Explorer
 Pick a shape, a dtype and a launch configuration; *time* re-measures ours, bitsandbytes and Unsloth fused on this GPU and draws them under the controls. Below them, the default view as a picture, which reads without a running kernel."""),  # noqa: E501
     ("code", "explorer", r"""import ipywidgets as widgets
 
-shape_pick = widgets.Dropdown(options=[f"{a}x{b}" for a, b in bench_weights.SHAPES], value="4096x1024",
+shape_pick = widgets.Dropdown(options=[f"{a}x{b}" for a, b in bench.weights.SHAPES], value="4096x1024",
                               description="shape")
-dtype_pick = widgets.Dropdown(options=list(bench_weights.DTYPES), value=DTYPE_NAME, description="dtype")
+dtype_pick = widgets.Dropdown(options=list(bench.weights.DTYPES), value=DTYPE_NAME, description="dtype")
 bpp_pick = widgets.Dropdown(options=[256, 512, 1024, 2048, 4096], value=kernel.launch_config(capability or (0, 0))[0],
                             description="bytes/prog")
 warps_pick = widgets.Dropdown(options=[2, 4, 8], value=kernel.launch_config(capability or (0, 0))[1], description="warps")
@@ -360,15 +354,15 @@ plot_area = widgets.Output()
 def explorer_chart():
     # Times the picked configuration against bitsandbytes and Unsloth fused; returns the chart.
     shape = tuple(int(x) for x in shape_pick.value.split("x"))
-    packed, state = bench_weights.make_weight(shape, bench_weights.DTYPES[dtype_pick.value])
+    packed, state = bench.weights.make_weight(shape, bench.weights.DTYPES[dtype_pick.value])
     plan = kernel.build_plan(packed, state, BYTES_PER_PROGRAM=bpp_pick.value, num_warps=warps_pick.value,
                              SHARED_TABLES=tables_pick.value == "shared")
     contenders = {"nf4-triton (picked config)": lambda: plan.launch(packed),
                   "bitsandbytes": lambda: F.dequantize_4bit(packed, state)}
-    fast_dequantize = bench_contenders.unsloth_fast_dequantize()
+    fast_dequantize = bench.contenders.unsloth_fast_dequantize()
     if fast_dequantize is not None:
         contenders["unsloth-fused"] = lambda: fast_dequantize(packed, state)
-    times = {name: bench_timing.do_bench(fn)[0] * 1e3 for name, fn in contenders.items()}
+    times = {name: bench.timing.do_bench(fn)[0] * 1e3 for name, fn in contenders.items()}
     figure, ax = plt.subplots(figsize=(6, 2.5))
     ax.barh(list(times), list(times.values()))
     ax.set_xlabel("us (do_bench median, L2 flushed)")
@@ -427,11 +421,11 @@ compiled_same_bits = torch.equal(compiled_dequantize(weights[0][0]).view(torch.i
 print("compiled dequantize == eager, bit for bit:", compiled_same_bits)
 compiled_mlp(X)
 if not SMOKE:
-    eager_us = bench_timing.do_bench(lambda: mlp(X))[0] * 1e3
-    compiled_us = bench_timing.do_bench(lambda: compiled_mlp(X))[0] * 1e3
+    eager_us = bench.timing.do_bench(lambda: mlp(X))[0] * 1e3
+    compiled_us = bench.timing.do_bench(lambda: compiled_mlp(X))[0] * 1e3
     print(f"MLP forward ({hd}x{m}, {DTYPE_NAME}): eager {eager_us:.1f} us, compiled {compiled_us:.1f} us")
-    eager_call = bench_timing.do_bench(lambda: kernel.dequantize_nf4(*weights[0]))[0] * 1e3
-    kernel_call = bench_timing.gpu_times({"compiled": lambda: compiled_dequantize(weights[0][0])},
+    eager_call = bench.timing.do_bench(lambda: kernel.dequantize_nf4(*weights[0]))[0] * 1e3
+    kernel_call = bench.timing.gpu_times({"compiled": lambda: compiled_dequantize(weights[0][0])},
                                          only="dequantize_4bit_kernel")["compiled"] * 1e3
     print(f"one dequantize: eager {eager_call:.1f} us (do_bench); inside the compiled graph the kernel takes "
           f"{kernel_call:.1f} us (profiler)")"""),
@@ -469,7 +463,7 @@ else:
         speed = "not measured: Unsloth is not installed here"
     ptx = f"faster than the emulated fallback at {faster_with('asm')} swept configurations (section 6)"
     hints = f"faster than without at {faster_with('hints')} swept configurations (section 6)"
-    matmul_before = matmul_table[list(matmulbench.BEFORE)].min(axis=1)
+    matmul_before = matmul_table[list(bench.matmul.BEFORE)].min(axis=1)
     matmul_faster = matmul_table.index[matmul_table["fused kernel"] < matmul_before].tolist()
     matmul_speed = (f"GPU time below the best of bitsandbytes and dequantize + F.linear at {len(matmul_faster)} of "
                     f"{len(matmul_table)} row counts (M = {', '.join(map(str, matmul_faster)) or 'none'}), at most "
@@ -496,36 +490,59 @@ so at the small shapes its medians sit above the profiler's for every contender.
 ]
 
 
-def project_modules():
-    """The module names of pyproject.toml's `[tool.setuptools] py-modules`, in its order."""
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
-        return list(tomllib.load(handle)["tool"]["setuptools"]["py-modules"])
+def notebook_files():
+    """The files a notebook carries, as paths in the repository: the package, the challenge's ``kernel.py``, and
+    ``bench/``'s modules that the template's cells import, with what those import in turn."""
+    code = "\n".join(text for kind, _, text in TEMPLATE_BEFORE_PROJECT_FILES + TEMPLATE_AFTER_PROJECT_FILES if kind == "code")
+    wanted, bench = set(_bench_imports(code)), []
+    while wanted:
+        name = sorted(wanted)[0]
+        wanted.discard(name)
+        bench.append(name)
+        with open(os.path.join(ROOT, "bench", f"{name}.py"), encoding="utf-8") as handle:
+            wanted |= set(_bench_imports(handle.read())) - set(bench)
+    library = sorted(os.path.relpath(path, ROOT).replace(os.sep, "/")
+                     for path in glob.glob(os.path.join(ROOT, "nf4_triton", "*.py")))
+    return library + ["kernel.py", "bench/__init__.py"] + [f"bench/{name}.py" for name in sorted(bench)]
 
 
-def module_sources(modules):
-    """{name: the module file's text}, read exactly as the repository has it."""
+def _bench_imports(text):
+    """The names of bench/'s modules that Python source imports."""
+    return [first or second for first, second in re.findall(r"^\s*(?:import bench\.(\w+)|from bench\.(\w+) import)",
+                                                             text, re.M)]
+
+
+def module_name(path):
+    """The dotted name a carried file is imported by (``nf4_triton/kernel.py``: nf4_triton.kernel)."""
+    name = path[:-len(".py")].replace("/", ".")
+    return name[:-len(".__init__")] if name.endswith(".__init__") else name
+
+
+def module_sources(paths):
+    """{path: the file's text}, read exactly as the repository has it."""
     sources = {}
-    for name in modules:
-        with open(os.path.join(ROOT, f"{name}.py"), encoding="utf-8", newline="") as handle:
-            sources[name] = handle.read()
+    for path in paths:
+        with open(os.path.join(ROOT, path), encoding="utf-8", newline="") as handle:
+            sources[path] = handle.read()
     return sources
 
 
 def project_files_cells(sources):
-    """The collapsed section: its heading, the folder, and one `%%writefile` cell per module."""
+    """The collapsed section: its heading, the folder, and one `%%writefile` cell per file."""
     digest = hashlib.sha256("".join(f"{name}\0{text}\0" for name, text in sources.items()).encode()).hexdigest()[:12]
-    listing = ", ".join(f"`{name}.py`" for name in sources)
+    listing = ", ".join(f"`{name}`" for name in sources)
     cells = [nbformat.v4.new_markdown_cell(
         "### Project files, generated from the repository; do not edit\n"
-        f"The modules that `pyproject.toml` lists ({listing}), byte for byte as the repository has them,\n"
+        f"What this notebook imports ({listing}), byte for byte as the repository has it,\n"
         "each written by one `%%writefile` cell to a temporary folder named by their contents: a file next\n"
-        "to this notebook is never overwritten. `python notebooks.py` in the repository writes these cells.",
+        "to this notebook is never overwritten. `python -m tools.notebooks` in the repository writes these cells.",
         id=PROJECT_FILES_ID, metadata={"id": PROJECT_FILES_ID, "jp-MarkdownHeadingCollapsed": True}),
         nbformat.v4.new_code_cell(
             "import tempfile\n\n"
             f'PROJECT_FILES = os.path.join(tempfile.gettempdir(), "nf4-triton-{digest}")  # named by the contents\n'
-            "os.makedirs(PROJECT_FILES, exist_ok=True)", id="project-files-folder")]
-    cells += [nbformat.v4.new_code_cell(f"{WRITEFILE}{name}.py\n{text}", id=f"project-file-{name}")
+            'for folder in ("nf4_triton", "bench"):\n'
+            "    os.makedirs(os.path.join(PROJECT_FILES, folder), exist_ok=True)", id="project-files-folder")]
+    cells += [nbformat.v4.new_code_cell(f"{WRITEFILE}{name}\n{text}", id="project-file-" + name[:-3].replace("/", "-"))
               for name, text in sources.items()]
     return cells
 
@@ -630,7 +647,7 @@ def write(name, notebook):
 
 def stale(names=NOTEBOOKS):
     """Those of the committed notebooks ``names`` that differ from what the generator writes, outputs aside."""
-    sources = module_sources(project_modules())
+    sources = module_sources(notebook_files())
     return [name for name in names
             if read(name) is None or without_outputs(read(name)) != without_outputs(build(name, sources))]
 
@@ -654,7 +671,7 @@ def main():
 
         if not torch.cuda.is_available():
             sys.exit("--execute records the committed outputs, which come from a GPU run: no CUDA GPU here")
-    sources = module_sources(project_modules())
+    sources = module_sources(notebook_files())
     for name in args.names or NOTEBOOKS:
         notebook = build(name, sources)
         old = read(name)

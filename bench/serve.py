@@ -2,7 +2,7 @@
 its Linear4bit layers computed by bitsandbytes, by the drop-in (with and without the fused
 matmul) and by Unsloth's Linear4bit override, each step replayed from a CUDA graph.
 
-    python servebench.py [--dtype bf16|fp16] [--layers 8] [--rounds 3] [--out results] [--model DIR]
+    python bench/serve.py [--dtype bf16|fp16] [--layers 8] [--rounds 3] [--out results] [--model DIR]
                          [--sections decode,prefill,share,floor,compiled,merged,train,curves] [--batches 1,8,32,64]
 
 Built as users load it: random weights saved locally, loaded through transformers'
@@ -13,7 +13,7 @@ each round), medians with p20/p80 over rounds:
   1, 8, 32, 64; the tokens of the first round are the generation compared across contenders;
 - prefill 1x128, 1x512, 8x512, 1x2048 (no cache, logits of the last position), one graph each;
 - a QLoRA step (PEFT LoRA r=16 on every linear) at 4x1024, without and with gradient checkpointing
-  (``modelbench.bench_train``), and loss curves over 50 steps from the same LoRA start;
+  (``bench.model.bench_train``), and loss curves over 50 steps from the same LoRA start;
 - agreement: logits of the prompt's last position and of the first decode step (every contender
   fed the same token) against bitsandbytes and against an fp32 reference (each linear
   ``F.linear(x.float(), W.float())`` rounded once), greedy tokens against bitsandbytes';
@@ -41,15 +41,13 @@ import types
 import torch
 import torch.nn.functional as F
 
-import bench_contenders
-import bench_results
-import bench_timing
-import dropin
-import matmul
-import modelbench
-import quantstate
+import bench.contenders
+import bench.model
+import bench.results
+import bench.timing
+from nf4_triton import dropin, matmul, quantstate
 
-SIZE = "4096x14336x2"  # modelbench.SIZES: Llama-3-8B's hidden, intermediate and attention sizes
+SIZE = "4096x14336x2"  # bench.model.SIZES: Llama-3-8B's hidden, intermediate and attention sizes
 LAYERS = 8
 PROMPT = 128
 NEW_TOKENS = 128
@@ -62,7 +60,7 @@ CONTENDERS = ("bitsandbytes", "nf4-triton", "nf4-triton (no fused matmul)", "uns
 MERGED = "nf4-triton (merged)"  # dropin.enable(model, merge=True): q|k|v and gate|up one launch each
 TRAINING = ("bitsandbytes", "nf4-triton", "unsloth")  # the fused matmul serves no-grad calls only
 REFERENCE = "fp32 reference"
-FLOOR = bench_contenders.MATMUL_FLOOR
+FLOOR = bench.contenders.MATMUL_FLOOR
 # "train" adds LoRA: the inference sections first
 SECTIONS = ("decode", "prefill", "share", "floor", "compiled", "merged", "train", "curves")
 
@@ -92,11 +90,11 @@ def _reference_forward(module, x):
 
 
 def _floor_forward(module, x):
-    """The layer's bytes read once and a zero output (``bench_contenders.bytes_once``): no matmul."""
+    """The layer's bytes read once and a zero output (``bench.contenders.bytes_once``): no matmul."""
     packed, state = quantstate.resolve(module.weight, module.weight.quant_state)
     if torch.compiler.is_compiling():
         return _floor_op(x, packed, state.absmax, state.shape[0], state.blocksize, state.nested)
-    return bench_contenders.bytes_once(x, packed, state)
+    return bench.contenders.bytes_once(x, packed, state)
 
 
 @torch.library.custom_op("nf4_triton_bench::floor", mutates_args=())
@@ -104,7 +102,7 @@ def _floor_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, out_f
               nested: bool) -> torch.Tensor:
     """``bytes_once`` opaque to Inductor, which traced into the kernel and dropped it (NOTES item 86)."""
     state = types.SimpleNamespace(shape=(out_features, x.shape[-1]), absmax=absmax, blocksize=blocksize, nested=nested)
-    return bench_contenders.bytes_once(x, packed, state)
+    return bench.contenders.bytes_once(x, packed, state)
 
 
 @_floor_op.register_fake
@@ -121,7 +119,7 @@ class Router:
     def __init__(self, model, unsloth):
         self.model = model
         self.unsloth = unsloth
-        self.layers = modelbench.linear4bit_layers(model)
+        self.layers = bench.model.linear4bit_layers(model)
 
     def __call__(self, model, name):
         dropin.disable(self.model)
@@ -266,7 +264,7 @@ class Decoder:
 # Sections
 # --------------------------------------------------------------------------------------------
 def _row(meta, kind, dtype_name, tokens, name, seconds, **extra):
-    median, p20, p80 = bench_timing.summarize(seconds)
+    median, p20, p80 = bench.timing.summarize(seconds)
     return dict(meta, kind=kind, dtype=dtype_name, tokens=tokens,
                 implementation=name, median_ms=median * 1e3, p20_ms=p20 * 1e3, p80_ms=p80 * 1e3, **extra)
 
@@ -306,7 +304,7 @@ def _decode_rounds(names, router, model, decoder, timed, rounds):
     round a prefill, then NEW_TOKENS - 1 replays of the contender's step, contenders in turn."""
     steps, generations = {name: [] for name in names}, {name: [] for name in names}
     for round_index in range(rounds):
-        for name in bench_timing.turned(names, round_index):
+        for name in bench.timing.turned(names, round_index):
             router(model, name)
             decoder.prefill()
             steps[name].append(gpu_seconds(timed[name][0], NEW_TOKENS - 1))
@@ -341,9 +339,9 @@ def _decode_side_by_side(model, router, names, kind, dtype_name, rounds, meta, l
         with torch.no_grad():
             timed = _timed_contenders(names, router, model, decoder.step, before=decoder.prefill, compiled=compiled)
             steps, generations = _decode_rounds(names, router, model, decoder, timed, rounds)
-        bnb = bench_timing.summarize(steps["bitsandbytes"])[0]
+        bnb = bench.timing.summarize(steps["bitsandbytes"])[0]
         for name in names:
-            median = bench_timing.summarize(steps[name])[0]
+            median = bench.timing.summarize(steps[name])[0]
             rows.append(_row(meta, kind, dtype_name, f"{batch}x{PROMPT}+{NEW_TOKENS}", name, steps[name],
                              tokens_per_s=batch / median, speedup_over_bitsandbytes=bnb / median,
                              timing=timed[name][2], peak_mib=timed[name][3] / 2**20,
@@ -382,7 +380,7 @@ def bench_decode(model, router, names, dtype_name, rounds, meta, log, rows, batc
         for name in names:
             same = tokens[name] == base
             first_difference = torch.where(same.all(1), NEW_TOKENS, (~same).int().argmax(1))
-            median = bench_timing.summarize(steps[name])[0]
+            median = bench.timing.summarize(steps[name])[0]
             rows.append(_row(meta, "decode", dtype_name, f"{batch}x{PROMPT}+{NEW_TOKENS}", name, steps[name],
                              tokens_per_s=batch / median, timing=timed[name][2], peak_mib=timed[name][3] / 2**20,
                              tokens_equal_bitsandbytes=same.float().mean().item(),
@@ -422,16 +420,16 @@ def bench_prefill(model, router, names, dtype_name, rounds, meta, log, rows, kin
             calls = max(3, 16384 // (batch * sequence))
             seconds = {name: [] for name in names}
             for round_index in range(rounds):
-                for name in bench_timing.turned(names, round_index):
+                for name in bench.timing.turned(names, round_index):
                     router(model, name)
                     seconds[name].append(gpu_seconds(timed[name][0], calls))
             logits = {}
             for name in names + [REFERENCE]:
                 router(model, name)
                 logits[name] = _output(*timed[name][:2]) if name in timed else forward().clone()
-        bnb = bench_timing.summarize(seconds["bitsandbytes"])[0]
+        bnb = bench.timing.summarize(seconds["bitsandbytes"])[0]
         for name in names:
-            median = bench_timing.summarize(seconds[name])[0]
+            median = bench.timing.summarize(seconds[name])[0]
             rows.append(_row(meta, kind, dtype_name, f"{batch}x{sequence}", name, seconds[name],
                              tokens_per_s=batch * sequence / median, speedup_over_bitsandbytes=bnb / median,
                              timing=timed[name][2], peak_mib=timed[name][3] / 2**20,
@@ -462,13 +460,13 @@ def linear_share(model, fn):
     def leave(module, args, output):
         opened.pop().__exit__(None, None, None)
 
-    layers = modelbench.linear4bit_layers(model)
+    layers = bench.model.linear4bit_layers(model)
     handles = [layer.register_forward_pre_hook(enter) for layer in layers]
     handles += [layer.register_forward_hook(leave) for layer in layers]
     try:
         fn()
         torch.cuda.synchronize()
-        os.environ.setdefault("TEARDOWN_CUPTI", "1")  # as bench_timing.cuda_records
+        os.environ.setdefault("TEARDOWN_CUPTI", "1")  # as bench.timing.cuda_records
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
@@ -559,11 +557,11 @@ class SavedRows(list):
 
     def append(self, row):
         super().append(row)
-        bench_results.write_csv(self.path, self)
+        bench.results.write_csv(self.path, self)
 
     def extend(self, rows):
         super().extend(rows)
-        bench_results.write_csv(self.path, self)
+        bench.results.write_csv(self.path, self)
 
     def __iadd__(self, rows):
         self.extend(rows)
@@ -583,8 +581,8 @@ def run(dtype_name, layers, rounds, model_folder, meta, log=print, with_unsloth=
     if unsloth is None:
         log(f"unsloth: skipped ({why})")
     if not os.path.exists(os.path.join(model_folder, "config.json")):
-        modelbench.save_random_llama(SIZE, model_folder, vocab_size=modelbench.LLAMA3_VOCAB, layers=layers)
-    model = modelbench.load_4bit(model_folder, dtype)
+        bench.model.save_random_llama(SIZE, model_folder, vocab_size=bench.model.LLAMA3_VOCAB, layers=layers)
+    model = bench.model.load_4bit(model_folder, dtype)
     model.eval()
     router = Router(model, unsloth)
     log(f"{len(router.layers)} Linear4bit layers, {layers} decoder layers, vocab {model.config.vocab_size}")
@@ -594,7 +592,7 @@ def run(dtype_name, layers, rounds, model_folder, meta, log=print, with_unsloth=
         "decode": lambda: bench_decode(model, router, names, dtype_name, rounds, meta, log, rows, batches),
         "prefill": lambda: bench_prefill(model, router, names, dtype_name, rounds, meta, log, rows),
         "share": lambda: bench_share(model, router, names, dtype_name, meta, log, rows, batches),
-        "train": lambda: rows.extend(modelbench.bench_train(modelbench.add_lora(model), size, dtype_name, rounds,
+        "train": lambda: rows.extend(bench.model.bench_train(bench.model.add_lora(model), size, dtype_name, rounds,
                                                             dict.fromkeys(training), meta, log,
                                                             tokens=TRAIN_TOKENS, route_to=router)),
         "curves": lambda: loss_curves(model, router, training, dtype_name, meta, log, rows),
@@ -615,7 +613,7 @@ def run(dtype_name, layers, rounds, model_folder, meta, log=print, with_unsloth=
 def main(argv=None):
     import tempfile
 
-    import bench_plots
+    import bench.plots
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
@@ -634,15 +632,15 @@ def main(argv=None):
     if not set(sections) <= set(SECTIONS):
         parser.error(f"--sections takes names from {','.join(SECTIONS)}, got {args.sections}")
     if not torch.cuda.is_available():
-        raise SystemExit("servebench.py times CUDA graphs: it needs a CUDA GPU")
+        raise SystemExit("bench/serve.py times CUDA graphs: it needs a CUDA GPU")
     from importlib import metadata
 
     # Unsloth's version without importing it: importing patches transformers for every contender
-    meta = dict(gpu=torch.cuda.get_device_name(), timestamp=bench_results.utc_timestamp(),
-                **bench_results.version_columns(("torch", "triton", "bitsandbytes", "transformers", "peft")),
+    meta = dict(gpu=torch.cuda.get_device_name(), timestamp=bench.results.utc_timestamp(),
+                **bench.results.version_columns(("torch", "triton", "bitsandbytes", "transformers", "peft")),
                 unsloth_version=metadata.version("unsloth") if args.unsloth else "not imported")
     print(meta)
-    folder = bench_results.results_folder(args.out)
+    folder = bench.results.results_folder(args.out)
     os.makedirs(folder, exist_ok=True)
     layers = "" if args.layers == LAYERS else f"_{args.layers}layers"  # the charts read the default size's files
     path = os.path.join(folder, f"serve_{args.dtype}{layers}{'_unsloth' if args.unsloth else ''}.csv")
@@ -650,7 +648,7 @@ def main(argv=None):
                sections=sections, batches=[int(batch) for batch in args.batches.split(",") if batch], path=path)
     if not rows:
         raise SystemExit("no rows measured: every section failed (the log says why)")
-    print("wrote", ", ".join([path] + bench_plots.plot_serve(folder)))
+    print("wrote", ", ".join([path] + bench.plots.plot_serve(folder)))
 
 
 if __name__ == "__main__":

@@ -7,11 +7,11 @@ import copy
 
 import torch
 
-import bench_contenders
-import bench_results
-import bench_timing
-import bench_weights
-import kernel
+import bench.contenders
+import bench.results
+import bench.timing
+import bench.weights
+from nf4_triton import kernel
 
 COMPILE_SHAPES = [(4096, 1024), (14336, 4096)]
 
@@ -52,8 +52,8 @@ def compile_references(packed, state, fused):
     x = torch.zeros(tuple(state.shape), dtype=state.dtype, device=packed.device)
     twice = torch.compile(lambda tensor: tensor * 2, fullgraph=True)
     references = {"x*2 eager": lambda: x * 2, "x*2 compiled-default": lambda: twice(x),
-                  "floor (no decode) eager": lambda: bench_contenders.expand_floor(packed, state),
-                  "floor (no decode) compiled-default": bench_contenders.compiled_floor(packed, state)}
+                  "floor (no decode) eager": lambda: bench.contenders.expand_floor(packed, state),
+                  "floor (no decode) compiled-default": bench.contenders.compiled_floor(packed, state)}
     if fused is not None:
         compiled_fused = torch.compile(lambda weight: fused(weight, state), fullgraph=True)
         references["unsloth-fused eager"] = lambda: fused(packed, state)
@@ -68,8 +68,8 @@ def run(shapes, dtypes, rounds, rooflines, meta, log):
     item 23), each callable's host time per call in the same rounds, and the profiler's time of
     our kernel inside each mode."""
     rows = []
-    fused = bench_contenders.unsloth_fast_dequantize(log)
-    for dtype_name, shape, packed, state in bench_weights.weights(shapes, dtypes):
+    fused = bench.contenders.unsloth_fast_dequantize(log)
+    for dtype_name, shape, packed, state in bench.weights.weights(shapes, dtypes):
         expected = kernel.dequantize_nf4(packed, state)
         torch._dynamo.reset()
         modes = compiled_modes(packed, state)
@@ -83,19 +83,19 @@ def run(shapes, dtypes, rounds, rooflines, meta, log):
         host_samples = {name: [] for name in samples}
         for _ in range(rounds):
             for name, fn in (*modes.items(), *references.items()):
-                samples[name].append(bench_timing.do_bench(fn)[0])
-                host_samples[name].append(bench_timing.host_time_per_call(fn))
+                samples[name].append(bench.timing.do_bench(fn)[0])
+                host_samples[name].append(bench.timing.host_time_per_call(fn))
         first = len(rows)
-        kernel_ms = bench_timing.gpu_times(modes, only="dequantize_4bit_kernel")
+        kernel_ms = bench.timing.gpu_times(modes, only="dequantize_4bit_kernel")
         for name in modes:
-            rows.append(bench_results.timing_row(meta, "compile", shape, dtype_name, name,
-                                                 bench_timing.summarize(samples[name]), rooflines["do_bench"]))
-            rows.append(bench_results.timing_row(meta, "compile-kernel", shape, dtype_name, name,
+            rows.append(bench.results.timing_row(meta, "compile", shape, dtype_name, name,
+                                                 bench.timing.summarize(samples[name]), rooflines["do_bench"]))
+            rows.append(bench.results.timing_row(meta, "compile-kernel", shape, dtype_name, name,
                                                  (kernel_ms[name],) * 3, rooflines["profiler"]))
         for name in references:
-            rows.append(bench_results.timing_row(meta, "compile-reference", shape, dtype_name, name,
-                                                 bench_timing.summarize(samples[name]), rooflines["do_bench"]))
-        rows += [bench_results.seconds_row(meta, "compile-host", f"{shape[0]}x{shape[1]}", dtype_name, name, times)
+            rows.append(bench.results.timing_row(meta, "compile-reference", shape, dtype_name, name,
+                                                 bench.timing.summarize(samples[name]), rooflines["do_bench"]))
+        rows += [bench.results.seconds_row(meta, "compile-host", f"{shape[0]}x{shape[1]}", dtype_name, name, times)
                  for name, times in host_samples.items()]
         tags = {"compile-kernel": " (kernel)", "compile-host": " (host)"}
         log(f"compile {dtype_name} {shape}: " + ", ".join(

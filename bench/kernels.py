@@ -5,36 +5,36 @@ bit-exact with bitsandbytes first. Rows ``kernel`` (do_bench) and ``kernel-gpu``
 import torch
 from tqdm import tqdm  # text bars: a saved notebook shows their last state; a widget bar needs a live kernel
 
-import bench_contenders
-import bench_results
-import bench_timing
-import bench_weights
+import bench.contenders
+import bench.results
+import bench.timing
+import bench.weights
 
 
 def run(shapes, dtypes, rounds, rooflines, meta, log):
     """Rows of every contender on every weight; ``log`` gets a line per weight and timer."""
     rows = []
-    funcs = bench_contenders.contenders(log)
-    cases = bench_weights.weights(shapes, dtypes)
+    funcs = bench.contenders.contenders(log)
+    cases = bench.weights.weights(shapes, dtypes)
     for dtype_name, shape, packed, state in tqdm(cases, desc="kernels", total=len(shapes) * len(dtypes)):
         expected = funcs["bitsandbytes"](packed, state)
         for name, fn in funcs.items():
-            if name not in bench_contenders.INSTRUMENTS:
+            if name not in bench.contenders.INSTRUMENTS:
                 assert torch.equal(fn(packed, state), expected), f"{name} is not bit-exact with bitsandbytes"
         callables = {name: (lambda fn=fn: fn(packed, state)) for name, fn in funcs.items()}
         samples = {name: [] for name in funcs}
         gpu_samples = {name: [] for name in funcs}
         for _ in range(rounds):
             for name, call in callables.items():
-                samples[name].append(bench_timing.do_bench(call)[0])
-            for name, ms in bench_timing.gpu_times(callables).items():
+                samples[name].append(bench.timing.do_bench(call)[0])
+            for name, ms in bench.timing.gpu_times(callables).items():
                 gpu_samples[name].append(ms)
-        event_rows = [bench_results.timing_row(meta, "kernel", shape, dtype_name, name,
-                                               bench_timing.summarize(samples[name]), rooflines["do_bench"],
-                                               bench_timing.extra_peak_bytes(call))
+        event_rows = [bench.results.timing_row(meta, "kernel", shape, dtype_name, name,
+                                               bench.timing.summarize(samples[name]), rooflines["do_bench"],
+                                               bench.timing.extra_peak_bytes(call))
                       for name, call in callables.items()]
-        gpu_rows = [bench_results.timing_row(meta, "kernel-gpu", shape, dtype_name, name,
-                                             bench_timing.summarize(gpu_samples[name]), rooflines["profiler"])
+        gpu_rows = [bench.results.timing_row(meta, "kernel-gpu", shape, dtype_name, name,
+                                             bench.timing.summarize(gpu_samples[name]), rooflines["profiler"])
                     for name in callables]
         for label, new_rows, digits in (("", event_rows, 1), (", GPU time (profiler)", gpu_rows, 2)):
             log(f"{dtype_name} {shape}{label}: " + ", ".join(

@@ -3,7 +3,7 @@
 ``floor (bytes once)`` beside them, a kernel that only reads the weight's bytes (launch and ramp included).
 
     python bench.py --sections matmul            # the section: results/<gpu>/matmul.csv, matmul.png
-    python matmulbench.py --sweep [--dtype ...] [--layers 4096x14336,...] [--rows 1,16,...]
+    python bench/matmul.py --sweep [--dtype ...] [--layers 4096x14336,...] [--rows 1,16,...]
                                                  # the candidates behind matmul.MATMUL_ROUTES
     notebook_points(...)                         # the notebooks' section 7: one layer, the same timing
 
@@ -21,13 +21,10 @@ import time
 
 import torch
 
-import bench_contenders
-import bench_timing
-import bench_weights
-import fastpath
-import kernel
-import matmul
-import quantstate
+import bench.contenders
+import bench.timing
+import bench.weights
+from nf4_triton import fastpath, kernel, matmul, quantstate
 
 # (in, out): Llama-3-8B's attention (q/o, k/v), MLP up/gate and down, and a 70B model's MLP
 LAYERS = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (8192, 28672), (28672, 8192)]
@@ -236,7 +233,7 @@ def fused_config(rows, in_features, out_features):
 
 def contenders(layers, x, out_features):
     """name -> calls (one per weight copy): the baselines, the fused kernel, nf4_linear's route and
-    the floor (``bench_contenders.bytes_once``: the bytes read once, no product)."""
+    the floor (``bench.contenders.bytes_once``: the bytes read once, no product)."""
     rows, in_features = x.shape
     config = fused_config(rows, in_features, out_features)
     out = torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
@@ -245,7 +242,7 @@ def contenders(layers, x, out_features):
         **baselines(layers, x),
         "fused kernel": [fused_call(layer, x, config, out) for layer in layers],
         "nf4_linear (routed)": [lambda layer=layer: matmul.nf4_linear(x, layer) for layer in layers],
-        bench_contenders.MATMUL_FLOOR: [lambda weight=weight: bench_contenders.bytes_once(x, *weight)
+        bench.contenders.MATMUL_FLOOR: [lambda weight=weight: bench.contenders.bytes_once(x, *weight)
                                         for weight in weights],
     }
 
@@ -253,7 +250,7 @@ def contenders(layers, x, out_features):
 def run(dtypes, rounds, rooflines, meta, log=print, layers=LAYERS, rows=ROWS):
     """The section: every contender at every (layer, M, dtype), interleaved, ``rounds`` rounds;
     returns CSV rows (kind "matmul") with the point's roofline and the route nf4_linear took.
-    The copy bandwidth is the profiler's (``bench_timing.copy_roofline``): a copy captured in a
+    The copy bandwidth is the profiler's (``bench.timing.copy_roofline``): a copy captured in a
     CUDA graph runs on the copy engines, 2434 against 3014 GB/s on the H100."""
     bandwidth = rooflines["profiler"]
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -276,7 +273,7 @@ def run(dtypes, rounds, rooflines, meta, log=print, layers=LAYERS, rows=ROWS):
                         for name, fns in calls.items():
                             samples[name].append(graph_us(fns, replays=10))
                 for name, times in samples.items():
-                    median, p20, p80 = bench_timing.summarize(times)
+                    median, p20, p80 = bench.timing.summarize(times)
                     table.append(dict(meta, kind="matmul", shape=f"{in_features}x{out_features}", dtype=dtype_name,
                                       rows=m, implementation=name, median_us=median, p20_us=p20, p80_us=p80,
                                       roofline_us=roofline_us, pct_roofline=100 * roofline_us / median,
@@ -379,18 +376,18 @@ def readme_table(path, dtype="bf16"):
             lines.append(f"| {layer} | {m} | {ours:.1f} ({route[layer, m]}) | {time[layer, m, before]:.1f} "
                          f"({'bitsandbytes' if before == 'bitsandbytes' else 'dequantize'}) | "
                          f"{time[layer, m, before] / ours:.2f}x | {roofline[layer, m]:.1f} | "
-                         f"{100 * roofline[layer, m] / ours:.0f} % | {time[layer, m, bench_contenders.MATMUL_FLOOR]:.1f} |")
+                         f"{100 * roofline[layer, m] / ours:.0f} % | {time[layer, m, bench.contenders.MATMUL_FLOOR]:.1f} |")
     return lines
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bf16", choices=[*bench_weights.DTYPES, "all"])
+    parser.add_argument("--dtype", default="bf16", choices=[*bench.weights.DTYPES, "all"])
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--layers", default=None, help="e.g. 4096x14336,14336x4096")
     parser.add_argument("--rows", default=None, help="e.g. 1,4,16")
     args = parser.parse_args()
-    dtypes = bench_weights.DTYPES if args.dtype == "all" else {args.dtype: bench_weights.DTYPES[args.dtype]}
+    dtypes = bench.weights.DTYPES if args.dtype == "all" else {args.dtype: bench.weights.DTYPES[args.dtype]}
     layers = [tuple(map(int, s.split("x"))) for s in args.layers.split(",")] if args.layers else LAYERS
     rows = [int(s) for s in args.rows.split(",")] if args.rows else ROWS
     if args.sweep:

@@ -8,8 +8,8 @@ import platform
 
 import torch
 
-import bench_timing
-import bench_weights
+import bench.timing
+import bench.weights
 
 # Which rows each CSV of a results folder holds, by their ``kind``.
 RESULT_FILES = {
@@ -61,7 +61,7 @@ def results_folder(out):
 def timing_row(meta, kind, shape, dtype_name, implementation, times_ms, roofline, extra_peak_bytes=0):
     """One tidy CSV row from (median, p20, p80) kernel times in milliseconds."""
     median, p20, p80 = times_ms
-    gbps = bench_weights.bytes_moved(shape, bench_weights.DTYPES[dtype_name]) / median / 1e6
+    gbps = bench.weights.bytes_moved(shape, bench.weights.DTYPES[dtype_name]) / median / 1e6
     return dict(meta, kind=kind, shape=f"{shape[0]}x{shape[1]}", dtype=dtype_name, implementation=implementation,
                 median_us=median * 1e3, p20_us=p20 * 1e3, p80_us=p80 * 1e3, gbps=gbps,
                 pct_roofline=100 * gbps / roofline, extra_peak_bytes=extra_peak_bytes)
@@ -69,7 +69,7 @@ def timing_row(meta, kind, shape, dtype_name, implementation, times_ms, roofline
 
 def seconds_row(meta, kind, shape, dtype_name, implementation, seconds):
     """One tidy CSV row from samples of wall or host seconds (no bandwidth: not kernel times)."""
-    median, p20, p80 = bench_timing.summarize(seconds)
+    median, p20, p80 = bench.timing.summarize(seconds)
     return dict(meta, kind=kind, shape=shape, dtype=dtype_name, implementation=implementation,
                 median_us=median * 1e6, p20_us=p20 * 1e6, p80_us=p80 * 1e6, gbps=0.0, pct_roofline=0.0,
                 extra_peak_bytes=0)

@@ -1,6 +1,6 @@
 """Route a model's bitsandbytes 4-bit layers through the fused dequantization kernel.
 
-    import dropin
+    from nf4_triton import dropin
     dropin.enable(model)   # every bitsandbytes.nn.Linear4bit, also the base layers of PEFT LoRA
     dropin.disable(model)  # bitsandbytes' own forward again
 
@@ -38,10 +38,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-import fastpath
-import kernel
-import matmul
-import quantstate
+from nf4_triton import fastpath, kernel, matmul, quantstate
 
 __all__ = ["enable", "disable", "is_enabled", "siblings_of", "Siblings", "SIBLINGS", "fused_route", "bitsandbytes_forward",
            "bitsandbytes_rule", "bitsandbytes_fuses", "bitsandbytes_fused_matmul"]

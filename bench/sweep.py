@@ -8,10 +8,10 @@ import math
 import torch
 from tqdm import tqdm  # text bars: a saved notebook shows their last state; a widget bar needs a live kernel
 
-import bench_results
-import bench_timing
-import bench_weights
-import kernel
+import bench.results
+import bench.timing
+import bench.weights
+from nf4_triton import kernel
 
 # Bytes per program x warps with everything on, with the codebooks in global memory and (from
 # Triton 3.4, kernel.TRITON_COMPILES_SHARED_TABLES) in shared memory; then, at 4 warps, one thing
@@ -59,17 +59,17 @@ def run(shapes, dtypes, rooflines, meta, log):
     """Every SWEEP_CONFIGS entry on each weight (launch plans: no validation in the timing), one
     do_bench sample each, and each configuration's GPU time per call (profiler, 30 calls)."""
     rows = []
-    for dtype_name, shape, packed, state in tqdm(bench_weights.weights(shapes, dtypes), desc="sweep",
+    for dtype_name, shape, packed, state in tqdm(bench.weights.weights(shapes, dtypes), desc="sweep",
                                                  total=len(shapes) * len(dtypes)):
         expected = kernel.dequantize_nf4(packed, state)
         launches = {config_label(config): functools.partial(kernel.build_plan(packed, state, **config).launch, packed)
                     for config in SWEEP_CONFIGS}
         for label, fn in launches.items():
             assert torch.equal(fn(), expected), label
-            rows.append(bench_results.timing_row(meta, "sweep", shape, dtype_name, label, bench_timing.do_bench(fn),
+            rows.append(bench.results.timing_row(meta, "sweep", shape, dtype_name, label, bench.timing.do_bench(fn),
                                                  rooflines["do_bench"]))
-        gpu_rows = [bench_results.timing_row(meta, "sweep-gpu", shape, dtype_name, label, (ms,) * 3, rooflines["profiler"])
-                    for label, ms in bench_timing.gpu_times(launches).items()]
+        gpu_rows = [bench.results.timing_row(meta, "sweep-gpu", shape, dtype_name, label, (ms,) * 3, rooflines["profiler"])
+                    for label, ms in bench.timing.gpu_times(launches).items()]
         rows += gpu_rows
         best = min(gpu_rows, key=lambda r: r["median_us"])
         log(f"sweep {dtype_name} {shape}: best by GPU time {best['implementation']} {best['median_us']:.2f} us")

@@ -5,10 +5,10 @@ import statistics
 
 import torch
 
-import bench_results
-import bench_timing
-import bench_weights
-import kernel
+import bench.results
+import bench.timing
+import bench.weights
+from nf4_triton import kernel
 
 FORMS_SHAPE = (2048, 5632)  # out x in: a projection of the small end-to-end model
 
@@ -45,7 +45,7 @@ def run(rounds, meta, log, calls=2000):
     import bitsandbytes as bnb
 
     rows = []
-    for dtype_name, dtype in bench_weights.DTYPES.items():
+    for dtype_name, dtype in bench.weights.DTYPES.items():
         torch.manual_seed(0)
         layer = bnb.nn.Linear4bit(FORMS_SHAPE[1], FORMS_SHAPE[0], bias=False, compute_dtype=dtype,
                                   quant_type="nf4").cuda()
@@ -60,9 +60,9 @@ def run(rounds, meta, log, calls=2000):
         samples = {name: [] for name in forms}
         for round_index in range(rounds):
             for name in list(forms) if round_index % 2 == 0 else reversed(forms):
-                samples[name].append(bench_timing.host_time_per_call(forms[name], calls))
+                samples[name].append(bench.timing.host_time_per_call(forms[name], calls))
         shape = f"{FORMS_SHAPE[0]}x{FORMS_SHAPE[1]}"
-        rows += [bench_results.seconds_row(meta, "forms", shape, dtype_name, name, times) for name, times in samples.items()]
+        rows += [bench.results.seconds_row(meta, "forms", shape, dtype_name, name, times) for name, times in samples.items()]
         log(f"forms {dtype_name} {shape}, host us per call: " + ", ".join(
             f"{name} {statistics.median(times) * 1e6:.1f}" for name, times in samples.items()))
     return rows

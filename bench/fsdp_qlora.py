@@ -1,15 +1,15 @@
 """QLoRA under FSDP on several GPUs: bitsandbytes' own Linear4bit against the drop-in, side by side in one job.
 
-    torchrun --nproc_per_node 2 fsdp_qlora.py [--sizes 2048x5632x4,4096x14336x2,4096x14336x8@2x2048]
+    torchrun --nproc_per_node 2 bench/bench.fsdp_qlora.py [--sizes 2048x5632x4,4096x14336x2,4096x14336x8@2x2048]
                                               [--steps 20] [--plan-steps 1000] [--fsdp 1|2] [--out results]
 
-The path PEFT, Accelerate and TRL document for FSDP QLoRA: the model of modelbench.py (random
+The path PEFT, Accelerate and TRL document for FSDP QLoRA: the model of bench/model.py (random
 weights saved offline) loaded in 4-bit NF4 with ``bnb_4bit_quant_storage=torch.bfloat16`` so that
 FSDP can flatten and shard the packed bytes with the rest, PEFT LoRA r=16 on every linear layer,
 FSDP (PyTorch's FSDP1, ``use_orig_params=False``, PEFT's ``fsdp_auto_wrap_policy``: each decoder
 layer a unit, each LoRA layer a unit of its own, bf16 mixed precision; ``--fsdp 2``: FSDP2's
 ``fully_shard`` on each decoder layer and the root, bf16 parameters and reductions), AdamW, fixed
-random token batches (each rank its own), LoRA weights in bf16. Sizes are modelbench.py's models or,
+random token batches (each rank its own), LoRA weights in bf16. Sizes are bench/model.py's models or,
 spelled with the tokens per rank and step, real-size ones with Llama-3's vocabulary (``--sizes``).
 
 Side by side: every contender's model is loaded and wrapped first, each from the same LoRA
@@ -35,14 +35,13 @@ from typing import NamedTuple
 
 import torch
 
-import bench_results
-import bench_timing
-import dropin
-import kernel
-import modelbench
+import bench.model
+import bench.results
+import bench.timing
+from nf4_triton import dropin, kernel
 
 CONTENDERS = ("bitsandbytes", "nf4-triton")
-TOKENS = (4, 512)  # per rank and step, for modelbench's models
+TOKENS = (4, 512)  # per rank and step, for bench.model's models
 WARMUP_STEPS = 2  # left out of the step-time medians: the first step makes the drop-in's plans and AdamW's state
 SIZES = "2048x5632x4,4096x14336x2,4096x14336x8@2x2048"
 SIZE_SPELLING = re.compile(r"(\d+x\d+)x(\d+)(?:@(\d+)x(\d+))?")
@@ -55,7 +54,7 @@ PLAN_COLUMNS = ("timed_plan_misses", "timed_live_plans", "plan_calls", "plan_mis
 
 
 class Size(NamedTuple):
-    """One ``--sizes`` entry: its spelling, the shape of modelbench.SIZES it takes, its decoder
+    """One ``--sizes`` entry: its spelling, the shape of bench.model.SIZES it takes, its decoder
     layers, tokens per rank and step (batch, sequence) and vocabulary."""
 
     name: str
@@ -71,31 +70,31 @@ def parse_size(name):
     if spelled is None:
         raise ValueError(f"size {name!r} is not HIDDENxINTERMEDIATExLAYERS[@BATCHxSEQUENCE]")
     hidden_intermediate, layers, batch, sequence = spelled.groups()
-    shape = next((key for key in modelbench.SIZES if key.startswith(f"{hidden_intermediate}x")), None)
+    shape = next((key for key in bench.model.SIZES if key.startswith(f"{hidden_intermediate}x")), None)
     if shape is None:
-        raise ValueError(f"size {name!r}: no shape {hidden_intermediate} in modelbench.SIZES "
-                         f"({', '.join(modelbench.SIZES)})")
+        raise ValueError(f"size {name!r}: no shape {hidden_intermediate} in bench.model.SIZES "
+                         f"({', '.join(bench.model.SIZES)})")
     if int(layers) < 1:
         raise ValueError(f"size {name!r}: a model needs at least one decoder layer")
-    config = modelbench.llama_config(shape)
-    if batch is None:  # modelbench's model: its vocabulary, its training tokens
+    config = bench.model.llama_config(shape)
+    if batch is None:  # bench.model's model: its vocabulary, its training tokens
         return Size(name, shape, int(layers), TOKENS, config.vocab_size)
     longest = config.max_position_embeddings
     if int(batch) < 1 or not 2 <= int(sequence) <= longest:  # a next-token loss needs two positions
         raise ValueError(f"size {name!r}: the batch must be at least 1 and the sequence from 2 to {longest} "
                          "(the model's max_position_embeddings)")
-    return Size(name, shape, int(layers), (int(batch), int(sequence)), modelbench.LLAMA3_VOCAB)
+    return Size(name, shape, int(layers), (int(batch), int(sequence)), bench.model.LLAMA3_VOCAB)
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    config = modelbench.llama_config(next(iter(modelbench.SIZES)))
+    config = bench.model.llama_config(next(iter(bench.model.SIZES)))
     parser.add_argument("--sizes", default=SIZES, help=(
         "comma-separated HIDDENxINTERMEDIATExLAYERS[@BATCHxSEQUENCE]: HIDDENxINTERMEDIATE picks the shape of "
-        f"modelbench.SIZES ({', '.join(modelbench.SIZES)}) whose name starts with it, LAYERS its decoder layers. "
-        f"Without @: modelbench's model, vocabulary {config.vocab_size}, {TOKENS[0]}x{TOKENS[1]} tokens per rank "
-        f"and step. With @BATCHxSEQUENCE: a real-size model, Llama-3's vocabulary ({modelbench.LLAMA3_VOCAB}, as "
-        "servebench.py loads it), BATCHxSEQUENCE tokens per rank and step, SEQUENCE at most "
+        f"bench.model.SIZES ({', '.join(bench.model.SIZES)}) whose name starts with it, LAYERS its decoder layers. "
+        f"Without @: bench.model's model, vocabulary {config.vocab_size}, {TOKENS[0]}x{TOKENS[1]} tokens per rank "
+        f"and step. With @BATCHxSEQUENCE: a real-size model, Llama-3's vocabulary ({bench.model.LLAMA3_VOCAB}, as "
+        "bench/serve.py loads it), BATCHxSEQUENCE tokens per rank and step, SEQUENCE at most "
         f"{config.max_position_embeddings} (the model's max_position_embeddings). Default: %(default)s"))
     parser.add_argument("--steps", type=int, default=20,
                         help=f"training steps per contender, the first {WARMUP_STEPS} left out of the medians")
@@ -211,11 +210,11 @@ class Contender:
         self.name = name
         gc.collect()  # the previous load's garbage in reference cycles, counted in neither model's memory
         before = torch.cuda.memory_allocated()
-        model = modelbench.load_4bit(folder, torch.bfloat16, device_map={"": torch.cuda.current_device()},
+        model = bench.model.load_4bit(folder, torch.bfloat16, device_map={"": torch.cuda.current_device()},
                                      quant_storage=torch.bfloat16)
         self.vocab_size = model.config.vocab_size  # the batches' token range: the saved model's own
         torch.manual_seed(0)  # every contender's LoRA starts from the same weights
-        model = modelbench.add_lora(model)
+        model = bench.model.add_lora(model)
         # LoRA weights in bf16 like the rest: PEFT casts a layer's input to its adapter's dtype, read
         # outside the adapter's FSDP unit (the fp32 shard) while FSDP computes in bf16 inside it.
         for parameter in model.parameters():
@@ -303,9 +302,9 @@ def run_size(size, folder, args, rank, world, first):
             resident=contender.resident_bytes / 2**20, peak=contender.step_peak_bytes / 2**20,
             changed=changed[contender.name], grads=all(torch.equal(a, b) for a, b in grads),
             grad_diff=max((a.float() - b.float()).abs().max().item() for a, b in grads), plans=contender.plans))
-        median, p20, p80 = bench_timing.summarize(contender.seconds[WARMUP_STEPS:])
-        row = dict(gpu=torch.cuda.get_device_name(), world_size=world, timestamp=bench_results.utc_timestamp(),
-                   **bench_results.version_columns(PACKAGES), model=size.name, implementation=contender.name,
+        median, p20, p80 = bench.timing.summarize(contender.seconds[WARMUP_STEPS:])
+        row = dict(gpu=torch.cuda.get_device_name(), world_size=world, timestamp=bench.results.utc_timestamp(),
+                   **bench.results.version_columns(PACKAGES), model=size.name, implementation=contender.name,
                    fsdp=FSDP_FLAVOURS[args.fsdp], steps=args.steps, tokens_per_step=tokens, vocab_size=vocab,
                    median_step_ms=median * 1e3, p20_step_ms=p20 * 1e3, p80_step_ms=p80 * 1e3,
                    tokens_per_s=tokens / median,
@@ -345,11 +344,11 @@ def main(argv=None):
     torch.distributed.broadcast_object_list(shared)
     root = shared[0]
     rows, losses = [], []
-    results = bench_results.results_folder(args.out)
+    results = bench.results.results_folder(args.out)
     for index, size in enumerate(args.sizes):
         folder = os.path.join(root, size.name)
         if rank == 0:
-            modelbench.save_random_llama(size.shape, folder, vocab_size=size.vocab_size, layers=size.layers)
+            bench.model.save_random_llama(size.shape, folder, vocab_size=size.vocab_size, layers=size.layers)
         torch.distributed.barrier()
         size_rows, size_losses = run_size(size, folder, args, rank, world, first=index == 0)
         rows += size_rows
@@ -358,7 +357,7 @@ def main(argv=None):
             shutil.rmtree(folder)  # every rank loaded its models: run_size's all_gather_object waited for them
             os.makedirs(results, exist_ok=True)
             for name, table in ((f"fsdp{args.fsdp}.csv", rows), (f"fsdp{args.fsdp}_losses.csv", losses)):
-                bench_results.write_csv(os.path.join(results, name), table)
+                bench.results.write_csv(os.path.join(results, name), table)
             print("wrote", results, flush=True)
         gc.collect()  # the models' reference cycles (their plans go with them), before the next size loads
         torch.cuda.empty_cache()

@@ -1,0 +1,5 @@
+"""``python -m bench``: the benchmark sections (``bench/run.py``)."""
+
+from bench.run import main
+
+main()
