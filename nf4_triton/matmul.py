@@ -29,9 +29,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nf4_triton import fastpath, kernel, mma, quantstate
+from nf4_triton import fastpath, kernel, mma_layouts, quantstate
 from nf4_triton.fastpath import INTERPRET, device_facts, jit, sum_combine
 from nf4_triton.kernel import TL_DTYPE, add_rn, decode, fp32_to_bf16_rne, lookup, mul_ftz
+
+if mma_layouts.AVAILABLE:  # Gluon's kernels (Triton 3.6 on)
+    from nf4_triton import mma_sync, wgmma
 
 __all__ = ["nf4_linear", "nf4_linear_group", "group_plan", "GroupPlan", "GROUP_MAX_ROWS", "linear_group", "linear_by_route",
            "linear_unchecked", "check_call", "route_taken", "decoded_weight", "choose_route", "device_route", "Route",
@@ -489,7 +492,7 @@ _DEQUANTIZE = Route(2**62, "dequantize")
 def mma_runs_on(capability):
     """Whether mma.py's kernel can run on a GPU of this capability: Gluon's mma_v2 (Triton 3.6 on),
     compiled (not the interpreter), NVIDIA from sm_80."""
-    return mma.AVAILABLE and not INTERPRET and torch.version.hip is None and tuple(capability) >= (8, 0)
+    return mma_layouts.AVAILABLE and not INTERPRET and torch.version.hip is None and tuple(capability) >= (8, 0)
 
 
 def routes_for(capability, routes=None, dram_gbps=0):
@@ -710,21 +713,23 @@ def launch_fused(x2d, packed, tables, bias, out, *, n, k, blocksize, blocksize2,
 
 
 def mma_kernel(config, steps, split_k, fold, members):
-    """mma.py's kernel for ``config`` and its constexprs beyond the shared ones (block sizes, formats, bias), for
+    """The Gluon kernel for ``config`` and its constexprs beyond the shared ones (block sizes, formats, bias), for
     a call of ``steps`` BLOCK_K steps at ``split_k`` (``split_taken``), ``fold`` (its split-K sum in the kernel)
-    and ``members`` weights: ``nf4_mma_kernel``, or ``nf4_mma_kwarps_kernel`` for K slices across warps."""
+    and ``members`` weights: ``mma_sync.nf4_mma_kwarps_kernel`` for K slices across warps,
+    ``wgmma.nf4_wgmma_kernel`` for sm_90's warp-group MMA, else ``mma_sync.nf4_mma_kernel``."""
     policy = "evict_first" if config.stream else ""
     if config.kwarps > 1:  # no split between programs
         per_warp = steps // config.kwarps
-        return mma.nf4_mma_kwarps_kernel, dict(
+        return mma_sync.nf4_mma_kwarps_kernel, dict(
             STEPS_PER_WARP=per_warp, UNROLL=unroll_taken(per_warp, config.unroll), MEMBERS=members, WORDS_POLICY=policy,
             ACCUMULATORS=config.accumulators,
-            **mma.kwarps_constexprs(config.kwarps, config.block_n, config.block_k, config.block_m, config.words))
-    return mma.nf4_mma_kernel, dict(
-        SPLIT_K=split_k, STEPS_PER_SPLIT=steps // split_k, FOLD=fold, STAGE_X=config.stage_x, PREFETCH=config.prefetch,
-        UNROLL=unroll_taken(steps // split_k, config.unroll), MEMBERS=members, WORDS_POLICY=policy,
-        **mma.layout_constexprs(config.num_warps, config.block_n, config.block_k, config.block_m, config.words,
-                                config.wgmma))
+            **mma_layouts.kwarps_constexprs(config.kwarps, config.block_n, config.block_k, config.block_m, config.words))
+    shared = dict(SPLIT_K=split_k, STEPS_PER_SPLIT=steps // split_k, FOLD=fold, PREFETCH=config.prefetch,
+                  UNROLL=unroll_taken(steps // split_k, config.unroll), MEMBERS=members, WORDS_POLICY=policy)
+    tile = (config.num_warps, config.block_n, config.block_k, config.block_m, config.words)
+    if config.wgmma:
+        return wgmma.nf4_wgmma_kernel, dict(shared, **mma_layouts.wgmma_constexprs(*tile))
+    return mma_sync.nf4_mma_kernel, dict(shared, STAGE_X=config.stage_x, **mma_layouts.mma_sync_constexprs(*tile))
 
 
 def mma_supported(x2d, k, blocksize, config):

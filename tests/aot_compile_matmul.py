@@ -91,7 +91,7 @@ def ptx_digest(ptx, name):
     """A digest of the PTX with its line information (and debug sections), the kernel's name and the compiler's
     header left out: two kernels that compile to the same instructions give the same digest."""
     ptx = ptx.split("\t.section\t.debug", 1)[0]
-    lines = [line for line in ptx.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__(func|debug|info))", line)]
+    lines = [line for line in ptx.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__(func|debug|info|tmp))", line)]
     body = "\n".join(lines[lines.index(next(line for line in lines if ".entry" in line)):]).replace(name, "KERNEL")
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers import assert_unchanged, failures_in_threads, linear4bit, quantize, snapshot
-from nf4_triton import kernel, matmul, mma, quantstate
+from nf4_triton import kernel, matmul, mma_layouts, quantstate
 from nf4_triton.matmul import MatmulConfig
 from reference import dequantize_reference, linear_error_bound, linear_reference
 
@@ -218,13 +218,15 @@ def test_launch_refuses_accumulators_without_k_slices(config):
         launch(x, packed, state, config)
 
 
-@pytest.mark.skipif(not mma.AVAILABLE, reason="mma.py's kernels need Gluon (Triton 3.6 on)")
+@pytest.mark.skipif(not mma_layouts.AVAILABLE, reason="the Gluon kernels need Triton 3.6 on")
 def test_accumulators_reach_the_kernel():
     """gate|up merged's one-row route launches the K-slice kernel with two accumulators, the others with one."""
+    from nf4_triton import mma_sync
+
     for shape, count in (((4096, 28672), 2), ((4096, 14336), 1)):
         config = matmul.choose_route((9, 0), 1, *shape).config
         kernel_fn, constexprs = matmul.mma_kernel(config, shape[0] // config.block_k, 1, False, 2)
-        assert kernel_fn is mma.nf4_mma_kwarps_kernel and constexprs["ACCUMULATORS"] == count
+        assert kernel_fn is mma_sync.nf4_mma_kwarps_kernel and constexprs["ACCUMULATORS"] == count
 
 
 @pytest.mark.parametrize("bias_form", ["strided", "expanded"])
@@ -485,7 +487,7 @@ def test_routes_compile_ahead_of_time(cc):
             assert (line["ld_evict_first"] > 0) == config["stream"], line
         elif config["dot"]:  # a tensor-core tile
             assert cc < 80 or line["wgmma"] + line["mma"] > 0, line
-    if cc == 90 and mma.AVAILABLE:  # sm_90's mma.py routes stream the words in both kernels, not in every route
+    if cc == 90 and mma_layouts.AVAILABLE:  # sm_90's mma.py routes stream the words in both kernels, not in every route
         # (items 101, 102); before Triton 3.6 the tl table's routes, none of mma.py's
         streamed = {(line["config"]["kwarps"] > 1, line["config"]["stream"]) for line in lines if line["config"]["mma"]}
         assert streamed == {(True, True), (True, False), (False, True), (False, False)}
