@@ -2,9 +2,9 @@
 16-bit weight already in memory, over row counts M, with the roofline measured in the same run and
 ``floor (bytes once)`` beside them, a kernel that only reads the weight's bytes (launch and ramp included).
 
-    python bench.py --sections matmul            # the section: results/<gpu>/matmul.csv, matmul.png
-    python bench/matmul.py --sweep [--dtype ...] [--layers 4096x14336,...] [--rows 1,16,...]
-                                                 # the candidates behind matmul.MATMUL_ROUTES
+    python -m bench --sections matmul            # the section: results/<gpu>/matmul.csv, matmul.png
+    python -m bench.matmul --sweep [--dtype ...] [--layers 4096x14336,...] [--rows 1,16,...]
+                                                 # the candidates behind routes.MATMUL_ROUTES
     notebook_points(...)                         # the notebooks' section 7: one layer, the same timing
 
 GPU time per call comes from CUDA graphs: one graph calls the layer once for each of several
@@ -24,7 +24,8 @@ import torch
 import bench.contenders
 import bench.timing
 import bench.weights
-from nf4_triton import fastpath, kernel, matmul, quantstate
+from nf4_triton import fastpath, fused, kernel, matmul, quantstate, routes
+from nf4_triton.routes import KSliceConfig, MmaConfig, TlConfig, WgmmaConfig
 
 # (in, out): Llama-3-8B's attention (q/o, k/v), MLP up/gate and down, and a 70B model's MLP
 LAYERS = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (8192, 28672), (28672, 8192)]
@@ -90,14 +91,14 @@ def fused_call(layer, x, config, out):
     packed, state = layer.weight.data, layer.weight.quant_state
     _, blocksize, nested, blocksize2, tables = quantstate.check_state(packed, state)
     n, k = state.shape
-    return lambda: matmul.launch_fused(x, packed.view(torch.uint8), tables, None, out, n=n, k=k, blocksize=blocksize,
-                                       blocksize2=blocksize2, nested=nested, fp4=False, config=config)
+    capability = fastpath.device_facts(x.device)[0]
+    return lambda: fused.launch_fused(x, packed.view(torch.uint8), tables, None, out, n=n, k=k, blocksize=blocksize,
+                                      blocksize2=blocksize2, nested=nested, fp4=False, config=config,
+                                      capability=capability)
 
 
-C = matmul.MatmulConfig
-# Candidates per row count (the last tl field: the code lookup, matmul.py's LOOKUP), from wider sweeps at
-# 4096x14336 and 14336x4096 (NOTES.md, items 70, 77 and 80); mma.py's tiles as (num_warps, block_n,
-# block_k, split_k[, words]) per block_m.
+# Candidates per row count, from wider sweeps at 4096x14336 and 14336x4096 (NOTES.md, items 70, 77 and 80); the
+# mma.sync tiles as (num_warps, block_n, block_k, split_k[, words]) per block_m.
 MMA_TILES = {
     8: [(4, 64, 256, 4), (4, 64, 64, 4), (4, 64, 256, 8), (8, 128, 64, 16), (4, 128, 256, 8), (4, 64, 128, 8),
         (4, 128, 64, 16), (8, 128, 256, 4), (4, 64, 256, 4, 4), (4, 64, 256, 8, 4), (4, 128, 256, 8, 4),
@@ -111,7 +112,7 @@ MMA_TILES = {
 }
 
 
-# mma.py's wgmma tiles (sm_90, each step's loads a step ahead; NOTES.md item 82): (num_warps, block_n, block_k,
+# The wgmma tiles (sm_90, each step's loads a step ahead; NOTES.md item 82): (num_warps, block_n, block_k,
 # split_k) per block_m
 WGMMA_TILES = {
     32: [(4, 64, 64, 4), (8, 128, 64, 2), (4, 64, 128, 4), (4, 64, 64, 8)],
@@ -122,7 +123,7 @@ WGMMA_TILES = {
 
 
 def _mma(block_m, tiles):
-    return [C(block_m, bn, bk, sk, True, warps, mma=True, words=words) for warps, bn, bk, sk, words in
+    return [MmaConfig(block_m, bn, bk, split_k=sk, num_warps=warps, words=words) for warps, bn, bk, sk, words in
             (tile + (2,) * (5 - len(tile)) for tile in tiles)]
 
 
@@ -132,31 +133,35 @@ KWARPS_TILES = [(4, 16, 512, 4), (4, 16, 256, 4), (8, 16, 128, 4), (8, 16, 256, 
 
 
 def kwarps_configs(block_m):
-    return [C(block_m, bn, bk, 1, True, kwarps, mma=True, words=4, stage_x=False, unroll=unroll, kwarps=kwarps)
-            for kwarps, bn, bk, unroll in KWARPS_TILES]
+    return [KSliceConfig(block_m, bn, bk, warps=warps, unroll=unroll) for warps, bn, bk, unroll in KWARPS_TILES]
 
 
 def streamed(configs):
-    """``configs`` and each of mma.py's again with the weight's words evict-first (``MatmulConfig.stream``, NOTES.md
-    item 101)."""
-    return configs + [config._replace(stream=True) for config in configs if config.mma]
+    """``configs`` and each Gluon one again with the weight's words evict-first (``stream``, NOTES.md item 101)."""
+    return configs + [config.replace(stream=True) for config in configs if not isinstance(config, TlConfig)]
 
 
 def _wgmma(block_m):
-    return [C(block_m, bn, bk, sk, True, warps, mma=True, wgmma=True, prefetch=True)
+    return [WgmmaConfig(block_m, bn, bk, split_k=sk, num_warps=warps, prefetch=True)
             for warps, bn, bk, sk in WGMMA_TILES[block_m]]
 
 
+def _tl(block_m, tiles, num_warps=4):
+    """The tl kernel's tiles as (block_n, block_k, split_k, num_stages or num_warps, lookup)."""
+    return [TlConfig(block_m, bn, bk, split_k=sk, num_stages=st, lookup=lookup, num_warps=num_warps)
+            for bn, bk, sk, st, lookup in tiles]
+
+
 CANDIDATES = {
-    8: streamed([C(1, 32, 256, 4, False, 4, 3, 0)] + _mma(8, MMA_TILES[8]) + kwarps_configs(8)),
-    16: streamed([C(16, bn, bk, sk, True, 4, st, lookup) for bn, bk, sk, st, lookup in (
-        (64, 256, 4, 2, 2), (64, 512, 4, 2, 2), (64, 128, 4, 2, 2), (32, 256, 4, 2, 2), (32, 256, 4, 2, 1),
-        (64, 256, 1, 3, 2), (64, 128, 4, 2, 1))] + _mma(16, MMA_TILES[8])),
+    8: streamed([TlConfig(1, 32, 256, split_k=4, dot=False, num_stages=3, lookup=0)] + _mma(8, MMA_TILES[8])
+                + kwarps_configs(8)),
+    16: streamed(_tl(16, ((64, 256, 4, 2, 2), (64, 512, 4, 2, 2), (64, 128, 4, 2, 2), (32, 256, 4, 2, 2),
+                          (32, 256, 4, 2, 1), (64, 256, 1, 3, 2), (64, 128, 4, 2, 1))) + _mma(16, MMA_TILES[8])),
     32: _mma(32, MMA_TILES[32]) + _wgmma(32),
-    64: [C(64, bn, bk, sk, True, w, 3, lookup) for bn, bk, sk, w, lookup in (
+    64: [TlConfig(64, bn, bk, split_k=sk, num_warps=w, num_stages=3, lookup=lookup) for bn, bk, sk, w, lookup in (
         (64, 128, 1, 4, 2), (128, 128, 2, 4, 2), (64, 128, 2, 4, 2), (64, 64, 2, 8, 2), (64, 128, 1, 4, 1),
         (64, 128, 2, 4, 1))] + _mma(64, MMA_TILES[64]) + _wgmma(64),
-    256: [C(bm, bn, bk, sk, True, w, 3, 2) for bm, bn, bk, sk, w in (
+    256: [TlConfig(bm, bn, bk, split_k=sk, num_warps=w, num_stages=3) for bm, bn, bk, sk, w in (
         (128, 64, 128, 1, 4), (128, 64, 128, 2, 4), (128, 128, 128, 1, 8), (128, 128, 64, 2, 4), (64, 128, 128, 2, 4))]
     + _mma(128, MMA_TILES[128]) + _mma(64, MMA_TILES[64][:2]) + _wgmma(128),
 }
@@ -220,15 +225,15 @@ def fused_config(rows, in_features, out_features):
     """The fused kernel's configuration for a point: the route's where it is fused, else that of the
     first fused route for as many rows (the benchmark times the kernel at every point); from
     ``TL_ROUTES`` where mma.py's kernel cannot run (Triton before 3.6, the interpreter, sm_75). The
-    capability's table whatever the DRAM (``matmul.FAST_DRAM_ROUTES``): the tiles an H200 passes over
+    capability's table whatever the DRAM (``routes.FAST_DRAM_ROUTES``): the tiles an H200 passes over
     are timed there too."""
     capability = fastpath.device_facts()[0]
-    table = matmul.MATMUL_ROUTES if matmul.mma_runs_on(capability) else matmul.TL_ROUTES
-    route = matmul.choose_route(capability, rows, in_features, out_features, table)
+    table = routes.MATMUL_ROUTES if fused.gluon_runs_on(capability) else routes.TL_ROUTES
+    route = routes.choose_route(capability, rows, in_features, out_features, table)
     if route.path == "fused":
         return route.config
-    fused = [r for r in matmul.routes_for(capability, table) if r.path == "fused"]
-    return next((r.config for r in fused if rows <= r.max_rows), fused[-1].config)
+    fused_routes = [r for r in routes.routes_for(capability, table) if r.path == "fused"]
+    return next((r.config for r in fused_routes if rows <= r.max_rows), fused_routes[-1].config)
 
 
 def contenders(layers, x, out_features):
@@ -265,7 +270,7 @@ def run(dtypes, rounds, rooflines, meta, log=print, layers=LAYERS, rows=ROWS):
                 x = torch.randn(m, in_features, device="cuda", dtype=dtype)
                 roofline_us = max(nf4_bytes(in_features, out_features) / bandwidth / 1e3,
                                   2 * m * in_features * out_features / tflops / 1e6)
-                route = matmul.device_route(None, m, in_features, out_features)
+                route = matmul.device_route(None, m, in_features, out_features)[0]
                 with torch.no_grad():
                     calls = contenders(copies, x, out_features)
                     samples = {name: [] for name in calls}
@@ -351,7 +356,7 @@ def notebook_points(dtype_name, dtype, layer, rows, rounds, rooflines=None, meta
         else:
             calls = contenders([base], x, out_features)
             times = wall_clock_us({name: calls[name][0] for name in shown}, rounds)
-        points.append(dict(M=m, **times, route=matmul.device_route(None, m, in_features, out_features).path,
+        points.append(dict(M=m, **times, route=matmul.device_route(None, m, in_features, out_features)[0].path,
                            max_difference=difference, max_y=largest))
     return timer, points
 

@@ -303,8 +303,8 @@ def _routed_forward(module, dequantize, fused_matmul, siblings, x, *args, **kwar
                 y = outputs[0]
         if y is not None:
             return y
-    route = fused_route(x, quant_state) if fused_matmul and not needs_grad and quant_state.dtype is dtype else None
-    fused = (route is None and not needs_grad and not torch.compiler.is_compiling()
+    routed = fused_route(x, quant_state) if fused_matmul and not needs_grad and quant_state.dtype is dtype else None
+    fused = (routed is None and not needs_grad and not torch.compiler.is_compiling()
              and bitsandbytes_fuses(x, dtype, quant_state))
     if quant_state.dtype is not dtype and not fused:  # bitsandbytes dequantizes straight to x's dtype: one rounding
         return bitsandbytes_forward(module, x)
@@ -312,12 +312,13 @@ def _routed_forward(module, dequantize, fused_matmul, siblings, x, *args, **kwar
     if bias is not None and bias.dtype is not dtype:
         bias = bias.to(dtype)
     packed, quant_state = quantstate.resolve(weight, quant_state)
-    if route is not None:
+    if routed is not None:
         out_features, in_features = (int(dim) for dim in quant_state.shape)
         if bias is not None:  # bitsandbytes' one-row kernel reads a bias of 7 for 1024 outputs without a word
             matmul.check_call(compute_x, bias, out_features, in_features, type(module).__name__)
         # x's features and device and the state's dtype checked above (fused_route), a bias here
-        y = matmul.linear_unchecked(compute_x, packed, quant_state, bias, route, out_features, in_features)
+        route, capability = routed
+        y = matmul.linear_unchecked(compute_x, packed, quant_state, bias, route, out_features, in_features, capability)
     elif fused:
         y = bitsandbytes_fused_matmul(compute_x, packed, quant_state, bias)
         if y is None:
@@ -350,15 +351,15 @@ def _merged_outputs(group, x, dtype):
 
 
 def fused_route(x, quant_state):
-    """The fused matmul's Route for ``x`` against the layer's weight where ``matmul.choose_route``
-    picks the fused kernel on x's GPU, else None (CPU tensors: the interpreter is for tests)."""
+    """(the fused matmul's Route, the GPU's compute capability) for ``x`` against the layer's weight where
+    ``routes.choose_route`` picks the fused kernel on x's GPU, else None (CPU tensors: the interpreter is for tests)."""
     if not x.is_cuda or x.dim() == 0 or len(quant_state.shape) != 2:
         return None
     out_features, in_features = (int(dim) for dim in quant_state.shape)
     if x.shape[-1] != in_features or in_features == 0:
         return None
-    route = matmul.device_route(x.device, x.numel() // in_features, in_features, out_features)
-    return route if route.path == "fused" else None
+    route, capability = matmul.device_route(x.device, x.numel() // in_features, in_features, out_features)
+    return (route, capability) if route.path == "fused" else None
 
 
 def _weight(dequantize, packed, quant_state):

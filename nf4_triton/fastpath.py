@@ -39,7 +39,8 @@ import weakref
 import torch
 import triton
 
-__all__ = ["INTERPRET", "ENABLED", "jit", "sum_combine", "interpret", "device_facts", "peak_dram_gbps",
+__all__ = ["INTERPRET", "ENABLED", "jit", "sum_combine", "interpret", "device_facts", "peak_dram_gbps", "FAST_DRAM_GBPS",
+           "table_for",
            "empty_cuda", "launch_hooks_active", "kernel_launcher", "interpreter_launcher", "run", "can_watch", "LaunchPlan",
            "PlanCache"]
 
@@ -103,6 +104,20 @@ def device_facts(device=None):
         _DEVICE_FACTS[index] = ((properties.major, properties.minor), properties.L2_cache_size,
                                 peak_dram_gbps(properties))
     return _DEVICE_FACTS[index]
+
+
+# The H200's DRAM peaks at 4814 GB/s (device_facts), the H100 SXM's datasheet at 3.35 TB/s: from this peak a GPU
+# takes the launch tiers and matmul routes its capability keeps for fast DRAM (NOTES.md items 104, 105, 109).
+FAST_DRAM_GBPS = 4400
+
+
+def table_for(capability, dram_gbps, tables, fast_dram_tables, default):
+    """A GPU's entry in a table by compute capability: ``fast_dram_tables``' where its DRAM peaks at
+    ``FAST_DRAM_GBPS`` or more and that table names its capability, else ``tables``', else ``default``."""
+    capability = tuple(capability)
+    if dram_gbps >= FAST_DRAM_GBPS and capability in fast_dram_tables:
+        return fast_dram_tables[capability]
+    return tables.get(capability, default)
 
 
 # Inductor's allocation entry: an empty CUDA tensor on the current device, past torch.empty's

@@ -38,12 +38,10 @@ import triton.language as tl
 
 from nf4_triton import fastpath, quantstate
 from nf4_triton.fastpath import INTERPRET, device_facts, jit
-from nf4_triton.quantstate import OUTPUT_DTYPES, require
+from nf4_triton.quantstate import require
 
-__all__ = ["dequantize_nf4", "your_dequantize_nf4", "build_plan", "validate_and_dequantize", "set_launch_config",
-           "launch_tiers", "launch_config", "kernel_variant", "choose_launch", "word_aligned", "device_facts", "LaunchConfig",
-           "LaunchTier", "Launch", "KernelArgs", "PLANS", "INTERPRET", "OUTPUT_DTYPES", "TL_DTYPE",
-           "dequantize_4bit_kernel", "mul_ftz", "add_rn", "lookup", "decode", "fp32_to_bf16_rne"]
+__all__ = ["dequantize_nf4", "your_dequantize_nf4", "build_plan", "validate_and_dequantize", "set_launch_config", "PLANS",
+           "dequantize_4bit_kernel"]
 
 TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _INT32_MAX = 2**31 - 1
@@ -260,10 +258,9 @@ LAUNCH_CONFIGS = {
     (7, 5): (LaunchTier(0, _SMALL),),
 }
 DEFAULT_LAUNCH_TIERS = (LaunchTier(0, _SMALL),)
-# GPUs whose DRAM peaks at FAST_DRAM_GBPS or more (device_facts) take these tiers of their capability. The H200
-# (4814 GB/s peak; the H100 SXM's datasheet: 3.35 TB/s) wants fewer warps a program from 17 MiB, likely for the bytes
-# in flight (32 programs an SM at 2 warps, 16 at 4). GPU time, 7 and 11 interleaved rounds (NOTES.md, items 104, 105):
-FAST_DRAM_GBPS = 4400
+# GPUs whose DRAM peaks at fastpath.FAST_DRAM_GBPS or more take these tiers of their capability. The H200 wants fewer
+# warps a program from 17 MiB, likely for the bytes in flight (32 programs an SM at 2 warps, 16 at 4). GPU time, 7 and
+# 11 interleaved rounds (NOTES.md, items 104, 105):
 FAST_DRAM_LAUNCH_CONFIGS = {
     (9, 0): tuple(tier for tier in LAUNCH_CONFIGS[(9, 0)] if tier.smallest_bytes < 17 * MiB) + (
         # 23.54 against 24.10 us (2048/4 global) at 8704x4096 bf16, ahead at all 8 weights from 17 to 22 MiB
@@ -281,9 +278,7 @@ _launch_override = None
 
 def launch_tiers(capability, dram_gbps=0):
     """The launch tiers of a GPU of ``capability`` whose DRAM peaks at ``dram_gbps`` (``device_facts``)."""
-    if dram_gbps >= FAST_DRAM_GBPS and tuple(capability) in FAST_DRAM_LAUNCH_CONFIGS:
-        return FAST_DRAM_LAUNCH_CONFIGS[tuple(capability)]
-    return LAUNCH_CONFIGS.get(tuple(capability), DEFAULT_LAUNCH_TIERS)
+    return fastpath.table_for(capability, dram_gbps, LAUNCH_CONFIGS, FAST_DRAM_LAUNCH_CONFIGS, DEFAULT_LAUNCH_TIERS)
 
 
 def launch_config(capability, n_bytes=0, dram_gbps=0):
@@ -302,6 +297,13 @@ def launch_config(capability, n_bytes=0, dram_gbps=0):
 STREAM_STORES_L2_MULTIPLE = 4
 
 
+def arithmetic(capability):
+    """(inline PTX for the arithmetic, bf16 rounded with integer operations) on a GPU of ``capability``: the PTX
+    wherever Triton compiles for NVIDIA; integers where the hardware has no fp32-to-bf16 conversion (sm_75) or
+    Triton's interpreter truncates."""
+    return not INTERPRET and torch.version.hip is None, INTERPRET or tuple(capability) < (8, 0)
+
+
 def kernel_variant(out_dtype, *, nested, capability, l2_bytes, dram_gbps=0, fp4=False, blocksize=64, blocksize2=256,
                    n_elements=0, word_aligned=True, use_asm=None, bf16_via_int=None, bytes_per_program=None,
                    eviction_hints=True, shared_tables=None):
@@ -313,10 +315,9 @@ def kernel_variant(out_dtype, *, nested, capability, l2_bytes, dram_gbps=0, fp4=
                                                                           dram_gbps)
         bytes_per_program = tier_bytes_per_program if bytes_per_program is None else bytes_per_program
         shared_tables = tier_shared_tables if shared_tables is None else shared_tables
-    if use_asm is None:
-        use_asm = not INTERPRET and torch.version.hip is None
-    if bf16_via_int is None:
-        bf16_via_int = INTERPRET or capability < (8, 0)
+    asm_default, bf16_default = arithmetic(capability)
+    use_asm = asm_default if use_asm is None else use_asm
+    bf16_via_int = bf16_default if bf16_via_int is None else bf16_via_int
     return dict(
         BLOCKSIZE=blocksize,
         BLOCKSIZE2=blocksize2 if nested else 1,

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from nf4_triton import kernel  # noqa: E402
+from nf4_triton import fastpath, kernel, quantstate  # noqa: E402
 
 POINTERS = {
     "packed_ptr": "*u8",
@@ -45,21 +45,21 @@ def variants(capability):
         return out_dtype, nested, use_asm, constexprs["USE_INT64"], num_warps, constexprs
 
     for out_dtype, nested, fp4, use_asm, use_int64 in itertools.product(
-        kernel.OUTPUT_DTYPES, (True, False), (False, True), (True, False), (False, True)
+        quantstate.OUTPUT_DTYPES, (True, False), (False, True), (True, False), (False, True)
     ):
         # 2**31 elements: 64-bit offsets, and an output large enough for streaming stores
         yield variant(out_dtype, nested, fp4, n_elements=2**31 if use_int64 else 0, use_asm=use_asm)
-    for out_dtype, nested, fp4 in itertools.product(kernel.OUTPUT_DTYPES, (True, False), (False, True)):
+    for out_dtype, nested, fp4 in itertools.product(quantstate.OUTPUT_DTYPES, (True, False), (False, True)):
         # 2 elements: one packed byte, not a whole word, so byte loads
         yield variant(out_dtype, nested, fp4, n_elements=2)
     yield variant(torch.float16, True, eviction_hints=False)
     if kernel.TRITON_COMPILES_SHARED_TABLES:
-        for out_dtype, nested, fp4 in itertools.product(kernel.OUTPUT_DTYPES, (True, False), (False, True)):
+        for out_dtype, nested, fp4 in itertools.product(quantstate.OUTPUT_DTYPES, (True, False), (False, True)):
             yield variant(out_dtype, nested, fp4, n_elements=4096 * 2048, shared_tables=True)
     if kernel.TRITON_COMPILES_SHARED_TABLES and capability in kernel.FAST_DRAM_LAUNCH_CONFIGS:
         # the H200's tiers from 17 and 33 MiB: 1024 and 512 bytes over 2 warps
-        for out_dtype, mib in itertools.product(kernel.OUTPUT_DTYPES, (17, 33)):
-            yield variant(out_dtype, True, n_elements=2 * mib * kernel.MiB, dram_gbps=kernel.FAST_DRAM_GBPS)
+        for out_dtype, mib in itertools.product(quantstate.OUTPUT_DTYPES, (17, 33)):
+            yield variant(out_dtype, True, n_elements=2 * mib * kernel.MiB, dram_gbps=fastpath.FAST_DRAM_GBPS)
 
 
 def compile_variant(capability, out_dtype, nested, num_warps, constexprs):

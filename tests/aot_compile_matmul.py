@@ -7,6 +7,7 @@ of multiples of 16; without that every load is scalar (4096x14336's one-row rout
 matmul.py defines compiled kernels on any machine.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,10 +22,8 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 import bench.matmul  # noqa: E402
-from nf4_triton import (
-    kernel,  # noqa: E402
-    matmul,  # noqa: E402
-)
+from nf4_triton import fused, kernel, matmul, routes, tl_matmul  # noqa: E402
+from nf4_triton.routes import KSliceConfig, TlConfig  # noqa: E402
 
 TL_NAME = {tl.float16: "fp16", tl.bfloat16: "bf16", tl.float32: "fp32"}
 
@@ -34,26 +33,26 @@ def variants(capability):
     if capability < (8, 0) and not matmul.SM75_COMPILES:
         return  # nf4_linear dequantizes there
     # the table nf4_linear takes on this Triton: TL_ROUTES where Gluon's mma_v2 is missing (before 3.6)
-    table = matmul.MATMUL_ROUTES if matmul.mma_runs_on(capability) else matmul.TL_ROUTES
-    for route in matmul.routes_for(capability, table):
+    table = routes.MATMUL_ROUTES if fused.gluon_runs_on(capability) else routes.TL_ROUTES
+    for route in routes.routes_for(capability, table):
         if route.path != "fused":
             continue
         for x_dtype in (tl.float16, tl.bfloat16):
             if x_dtype == tl.bfloat16 and capability < (8, 0):
                 continue  # no bf16 tensor-core product on sm_75: nf4_linear dequantizes there
             yield x_dtype, route.config
-    if table is matmul.MATMUL_ROUTES:  # the K-slice tiles the one-row sweep times (bench.matmul), routes or not
+    if table is routes.MATMUL_ROUTES:  # the K-slice tiles the one-row sweep times (bench.matmul), routes or not
         for config in bench.matmul.kwarps_configs(8):
             for x_dtype in (tl.float16, tl.bfloat16):
                 yield x_dtype, config
 
 
 def compile_variant(capability, x_dtype, config):
-    """The route's kernel for this target: matmul.py's tl kernel, or mma.py's through Gluon's AST
-    source (its layouts as constexprs)."""
+    """The route's kernel for this target: the tl kernel, or a Gluon kernel through Gluon's AST source (its layouts
+    as constexprs)."""
     name = TL_NAME[x_dtype]
     steps = 4096 // config.block_k
-    split_k = matmul.split_taken(steps, config.split_k)  # as a call at K = 4096 runs it
+    split_k = fused.largest_divisor(steps, config.split_k)  # as a call at K = 4096 runs it
     signature = {"x_ptr": f"*{name}", "packed_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32",
                  "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset_ptr": "*fp32", "bias_ptr": f"*{name}",
                  "out_ptr": f"*{name}" if split_k == 1 else "*fp32", "M": "i32", "N": "i32", "K": "i32",
@@ -61,7 +60,7 @@ def compile_variant(capability, x_dtype, config):
     constexprs = dict(BLOCKSIZE=64, BLOCKSIZE2=256, NESTED=True, FP4=False, X_DTYPE=x_dtype, BLOCK_M=config.block_m,
                       BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_BIAS=False, USE_INT64=False)
     options = {"num_warps": config.num_warps}
-    if config.mma:
+    if not isinstance(config, TlConfig):
         from triton.experimental.gluon._runtime import GluonASTSource
 
         make_source = GluonASTSource
@@ -70,10 +69,11 @@ def compile_variant(capability, x_dtype, config):
             signature.update({f"{member}_packed_ptr": "*u8", f"{member}_absmax_ptr": "*u8", f"{member}_code_ptr": "*fp32",
                               f"{member}_absmax2_ptr": "*fp32", f"{member}_code2_ptr": "*fp32",
                               f"{member}_offset_ptr": "*fp32", f"{member}_out_ptr": f"*{name}"})
-        fn, mma_constexprs = matmul.mma_kernel(config, steps, split_k, config.fold and split_k > 1, 1)  # as launched
+        fold = not isinstance(config, KSliceConfig) and config.fold and split_k > 1
+        fn, mma_constexprs = fused.gluon_kernel(config, steps, split_k, fold, 1)  # as launched
         constexprs.update(mma_constexprs)
     else:
-        fn, make_source = matmul.nf4_matmul_kernel, triton.compiler.ASTSource
+        fn, make_source = tl_matmul.nf4_matmul_kernel, triton.compiler.ASTSource
         constexprs.update(SPLIT_K=split_k, STEPS_PER_SPLIT=steps // split_k, DOT=config.dot, USE_ASM=True,
                           BF16_VIA_INT=capability < (8, 0), EVEN=True,
                           LOOKUP=config.lookup if kernel.TRITON_COMPILES_SHARED_TABLES else 0)
@@ -102,7 +102,8 @@ def main():
     for x_dtype, config in variants(capability):
         compiled = compile_variant(capability, x_dtype, config)
         ptx = compiled.asm["ptx"]
-        print(json.dumps({"cc": cc, "x_dtype": TL_NAME[x_dtype], "config": config._asdict(),
+        described = dict(family=type(config).__name__, **dataclasses.asdict(config))
+        print(json.dumps({"cc": cc, "x_dtype": TL_NAME[x_dtype], "config": described,
                           "shared_bytes": compiled.metadata.shared, "shfl": len(re.findall(r"shfl\.sync", ptx)),
                           "asm_mul_ftz": len(re.findall(r"mul\.rn\.ftz\.f32", ptx)),
                           "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),

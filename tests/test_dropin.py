@@ -20,7 +20,7 @@ from helpers import (
     quantize,
     snapshot,
 )
-from nf4_triton import dropin, fastpath, kernel, matmul
+from nf4_triton import dropin, fastpath, kernel, matmul, routes
 from reference import linear_error_bound, linear_reference
 
 DTYPES = [torch.float16, torch.bfloat16]
@@ -108,8 +108,8 @@ def test_inference_rows_through_the_fused_matmul(device, monkeypatch):
     """Where the route is the fused matmul (forced here, so that the CPU's interpreter runs it in
     fp16), inference computes through it; with a gradient, and with fused=False, bitsandbytes'
     arithmetic stays."""
-    route = matmul.Route(16, "fused", matmul.MatmulConfig(16, 16, 64, 1, True, 4, 2, 0))
-    monkeypatch.setattr(dropin, "fused_route", lambda x, state: route)
+    route = routes.Route(16, "fused", routes.TlConfig(16, 16, 64, lookup=0))
+    monkeypatch.setattr(dropin, "fused_route", lambda x, state: (route, fastpath.device_facts(x.device)[0]))
     layer, _, _ = linear4bit((96, 64), dtype=torch.float16, device=device, seed=7)
     weight = expected_weight(layer)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(7)).half().to(device)
@@ -699,11 +699,11 @@ def test_inference_takes_the_route(rows, dtype):
         expected = layer(x)
         dropin.enable(layer)
         got = layer(x)
-    route = dropin.fused_route(x, layer.weight.quant_state)
-    if route is None:
+    routed = dropin.fused_route(x, layer.weight.quant_state)
+    if routed is None:
         assert_bit_exact(got, expected)
         return
-    assert_fused_result(got, x, layer, route)
+    assert_fused_result(got, x, layer, routed[0])
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
@@ -969,7 +969,7 @@ def test_merged_handoff_across_a_graph_break(monkeypatch, device):
 def member_alone(layer, x, config):
     """A member's output through the fused kernel alone with the group's tile."""
     return matmul.linear_by_route(x, layer.weight.data, layer.weight.quant_state, None,
-                                  matmul.Route(x.numel() // x.shape[-1], "fused", config))
+                                  routes.Route(x.numel() // x.shape[-1], "fused", config))
 
 
 @pytest.mark.gpu

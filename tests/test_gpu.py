@@ -8,7 +8,7 @@ import torch
 import bench.contenders
 import bench.harness
 from helpers import assert_bit_exact, bnb_dequantize, launch_config_of, quantize
-from nf4_triton import kernel
+from nf4_triton import fastpath, kernel
 
 pytestmark = pytest.mark.gpu
 
@@ -65,12 +65,12 @@ SM90_TIERS = kernel.LAUNCH_CONFIGS[(9, 0)] + kernel.FAST_DRAM_LAUNCH_CONFIGS[(9,
 def test_every_tier_on_the_gpu(smallest):
     """A weight at the smallest size of each of this GPU's tiers (the H100's, or the H200's where its DRAM is
     as fast) takes that tier's configuration (through its plan too) and stays bit-exact."""
-    capability, _, dram_gbps = kernel.device_facts()
+    capability, _, dram_gbps = fastpath.device_facts()
     if capability != (9, 0):
         pytest.skip("the tiers are measured for sm_90")
     assert dram_gbps > 0  # torch reports the memory clock and bus: 4814 GB/s on the H200
     if "H200" in torch.cuda.get_device_name():
-        assert dram_gbps >= kernel.FAST_DRAM_GBPS
+        assert dram_gbps >= fastpath.FAST_DRAM_GBPS
     config = kernel.launch_config(capability, smallest, dram_gbps)
     packed, state = quantize((2 * smallest // 4096, 4096), dtype=torch.bfloat16, device="cuda", seed=smallest % 997)
     launch = kernel.choose_launch(packed, torch.bfloat16, 2 * smallest, blocksize=64, blocksize2=256, nested=True,

@@ -255,8 +255,8 @@ def test_fast_dram_tiers(monkeypatch):
     their own table; a launch reads the device's peak."""
     h200, h100 = 4814, 3352
     assert kernel.launch_tiers((9, 0), h200) is kernel.FAST_DRAM_LAUNCH_CONFIGS[(9, 0)]
-    assert kernel.launch_tiers((9, 0), kernel.FAST_DRAM_GBPS) is kernel.FAST_DRAM_LAUNCH_CONFIGS[(9, 0)]
-    assert kernel.launch_tiers((9, 0), kernel.FAST_DRAM_GBPS - 1) is kernel.LAUNCH_CONFIGS[(9, 0)]
+    assert kernel.launch_tiers((9, 0), fastpath.FAST_DRAM_GBPS) is kernel.FAST_DRAM_LAUNCH_CONFIGS[(9, 0)]
+    assert kernel.launch_tiers((9, 0), fastpath.FAST_DRAM_GBPS - 1) is kernel.LAUNCH_CONFIGS[(9, 0)]
     assert kernel.launch_tiers((9, 0), h100) is kernel.launch_tiers((9, 0)) is kernel.LAUNCH_CONFIGS[(9, 0)]
     assert kernel.launch_tiers((8, 9), h200) is kernel.LAUNCH_CONFIGS[(8, 9)]
     assert kernel.launch_tiers((10, 0), h200) is kernel.DEFAULT_LAUNCH_TIERS

@@ -14,8 +14,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     ("launch", ["nf4_triton.fastpath"]),  # Triton and torch internals, launch plans in general: nothing of a weight format
     ("quant states", ["nf4_triton.quantstate"]),  # a weight and its state found, validated, watched by a plan
-    ("kernels and their entry points", ["nf4_triton.kernel", "nf4_triton.mma_layouts", "nf4_triton.mma_helpers",
-                                        "nf4_triton.mma_sync", "nf4_triton.wgmma", "nf4_triton.matmul"]),
+    ("the dequantization", ["nf4_triton.kernel"]),  # the kernel, its launch choice, its API and operator
+    ("the matmul's routes", ["nf4_triton.routes"]),  # configurations per kernel family, tables per GPU: data
+    ("the matmul's kernels", ["nf4_triton.tl_matmul", "nf4_triton.mma_layouts", "nf4_triton.mma_helpers",
+                              "nf4_triton.mma_sync", "nf4_triton.wgmma"]),
+    ("the matmul's launch", ["nf4_triton.fused"]),
+    ("the matmul's entry points", ["nf4_triton.matmul"]),
     ("drop-in", ["nf4_triton.dropin"]),
     ("the package", ["nf4_triton"]),  # its public names
     ("the challenge's name", ["kernel"]),  # the top-level kernel.py: nf4_triton.kernel under the challenge's name

@@ -17,17 +17,16 @@ import pytest
 import torch
 
 from helpers import assert_unchanged, failures_in_threads, linear4bit, quantize, snapshot
-from nf4_triton import kernel, matmul, mma_layouts, quantstate
-from nf4_triton.matmul import MatmulConfig
+from nf4_triton import fastpath, fused, kernel, matmul, mma_layouts, quantstate, routes
+from nf4_triton.routes import GLUON_CONFIGS, KSliceConfig, MmaConfig, TlConfig, WgmmaConfig
 from reference import dequantize_reference, linear_error_bound, linear_reference
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-C = MatmulConfig
 # Kernel shapes: the FMA row, tensor-core tiles with and without split-K, a deeper and a wider one.
-CONFIGS = [C(1, 16, 64, 1, False, 4, 2, 0), C(1, 32, 128, 3, False, 4, 2, 1), C(1, 16, 64, 2, False, 4, 2, 2),
-           C(16, 16, 64, 1, True, 4, 2, 0), C(16, 32, 128, 2, True, 4, 2, 1), C(32, 16, 256, 4, True, 4, 3, 2),
-           C(16, 16, 64, 1, True, 4, 2, 2), C(64, 16, 64, 1, True, 4, 3, 2)]
+CONFIGS = [TlConfig(1, 16, 64, dot=False, lookup=0), TlConfig(1, 32, 128, split_k=3, dot=False, lookup=1),
+           TlConfig(1, 16, 64, split_k=2, dot=False), TlConfig(16, 16, 64, lookup=0), TlConfig(16, 32, 128, split_k=2, lookup=1),
+           TlConfig(32, 16, 256, split_k=4, num_stages=3), TlConfig(16, 16, 64), TlConfig(64, 16, 64, num_stages=3)]
 # (out, in) small and odd: a partial last tile of rows, K not a multiple of the tile, one block of K.
 SHAPES = [(17, 192), (40, 64), (1, 320), (32, 256)]
 
@@ -58,8 +57,9 @@ def assert_contract(y, x, packed, state, bias=None):
     table's at one or two rows on the H100, where mma.py's tile does not fit the call), else within
     the bound of the exact decode."""
     rows, (out_features, in_features) = x.numel() // x.shape[-1], state.shape
-    route = matmul.device_route(x.device, rows, in_features, out_features)
-    if matmul.route_taken(x.reshape(-1, in_features), out_features, state.blocksize, route).path == "bitsandbytes":
+    route, capability = matmul.device_route(x.device, rows, in_features, out_features)
+    if matmul.route_taken(x.reshape(-1, in_features), out_features, state.blocksize, route,
+                          capability).path == "bitsandbytes":
         import bitsandbytes
 
         assert torch.equal(y, bitsandbytes.matmul_4bit(x, packed, quant_state=state, bias=bias))
@@ -72,8 +72,9 @@ def launch(x, packed, state, config, bias=None):
     n, k = state.shape
     _, blocksize, nested, blocksize2, tables = quantstate.check_state(packed, state)
     y = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)  # poisoned: every element written
-    matmul.launch_fused(x, packed.view(torch.uint8), tables, bias, y, n=n, k=k, blocksize=blocksize,
-                        blocksize2=blocksize2, nested=nested, fp4=state.quant_type == "fp4", config=config)
+    fused.launch_fused(x, packed.view(torch.uint8), tables, bias, y, n=n, k=k, blocksize=blocksize,
+                       blocksize2=blocksize2, nested=nested, fp4=state.quant_type == "fp4", config=config,
+                       capability=fastpath.device_facts(x.device)[0])
     return y
 
 
@@ -194,28 +195,34 @@ def test_linear_by_route_checks_its_call(case):
     """The forced routes check x and the bias too: a short bias would be read past its end."""
     packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=1)
     x = torch.randn(2, 128).half().to(DEVICE)
-    route, bias, words = matmul.Route(8, "fused", C(16, 16, 64, 1, True, 4, 2, 0)), None, ""
+    route, bias, words = routes.Route(8, "fused", TlConfig(16, 16, 64, lookup=0)), None, ""
     if case == "route":
-        route, words = None, "route must be a matmul.Route"
+        route, words = None, "route must be a routes.Route"
     elif case == "x dtype":
-        x, route, words = x.to(torch.int32), matmul.Route(8, "dequantize"), "float16, bfloat16 or float32"
+        x, route, words = x.to(torch.int32), routes.Route(8, "dequantize"), "float16, bfloat16 or float32"
     elif case == "short bias":
         bias, words = torch.zeros(32, dtype=torch.float16, device=DEVICE)[:23], "bias must be a tensor of shape"
     with pytest.raises(ValueError, match=words):
         matmul.linear_by_route(x, packed, state, bias, route)
 
 
-@pytest.mark.parametrize("config", [C(8, 64, 256, 1, True, 4, mma=True, words=4, stage_x=False, accumulators=2),
-                                    C(8, 16, 128, 1, True, 4, mma=True, words=4, stage_x=False, kwarps=4, accumulators=3),
-                                    C(16, 32, 256, 4, True, 4, 2, 1, accumulators=2)],
-                         ids=str)
-def test_launch_refuses_accumulators_without_k_slices(config):
-    """Two accumulators are the K-slice kernel's: a tile without K slices, or another count, is refused, not launched
-    as if it had one."""
-    packed, state = quantize((16, 1024), dtype=torch.float16, device=DEVICE, seed=1)
-    x = torch.randn(1, 1024).half().to(DEVICE)
-    with pytest.raises(ValueError, match="1 accumulator, or 2 with K slices across warps"):
-        launch(x, packed, state, config)
+@pytest.mark.parametrize("build, words", [
+    (lambda: KSliceConfig(8, 16, 128, accumulators=3), "accumulators must be 1 or 2"),
+    (lambda: KSliceConfig(8, 16, 128, warps=1), "warps must be a power of two >= 2"),
+    (lambda: MmaConfig(8, 48, 256), "block_n must be 16 x 4 warps"),
+    (lambda: MmaConfig(8, 64, 96, words=4), "block_k must be 32 x 4 words"),
+    (lambda: MmaConfig(4, 64, 256), "block_m must be a power of two >= 8"),
+    (lambda: WgmmaConfig(64, 128, 128, num_warps=2), "whole warp groups"),
+    (lambda: WgmmaConfig(8, 64, 128), "at least a row per 4 lanes of 4 warps"),
+    (lambda: WgmmaConfig(512, 64, 128), "at most 256"),
+    (lambda: TlConfig(8, 32, 256), "tl.dot tiles take 16 rows or more"),
+    (lambda: TlConfig(16, 32, 256, lookup=3), "lookup must be 0, 1 or 2"),
+    (lambda: MmaConfig(16, 64, 256).replace(words=3), "words must be 2 or 4"),
+])
+def test_a_configuration_is_checked_when_built(build, words):
+    """Each family refuses at construction what its kernel cannot launch (before, at launch), naming the field."""
+    with pytest.raises(ValueError, match=words):
+        build()
 
 
 @pytest.mark.skipif(not mma_layouts.AVAILABLE, reason="the Gluon kernels need Triton 3.6 on")
@@ -224,8 +231,8 @@ def test_accumulators_reach_the_kernel():
     from nf4_triton import mma_sync
 
     for shape, count in (((4096, 28672), 2), ((4096, 14336), 1)):
-        config = matmul.choose_route((9, 0), 1, *shape).config
-        kernel_fn, constexprs = matmul.mma_kernel(config, shape[0] // config.block_k, 1, False, 2)
+        config = routes.choose_route((9, 0), 1, *shape).config
+        kernel_fn, constexprs = fused.gluon_kernel(config, shape[0] // config.block_k, 1, False, 2)
         assert kernel_fn is mma_sync.nf4_mma_kwarps_kernel and constexprs["ACCUMULATORS"] == count
 
 
@@ -238,8 +245,8 @@ def test_nf4_linear_reads_a_strided_bias(bias_form):
         bias = torch.arange(48, dtype=torch.float16, device=DEVICE)[::2]
     else:
         bias = torch.full((1,), 7.0, dtype=torch.float16, device=DEVICE).expand(24)
-    for config in (C(16, 16, 64, 1, True, 4, 2, 0), C(16, 16, 64, 2, True, 4, 2, 0)):  # bias in the kernel, in the sum
-        y = matmul.linear_by_route(x, packed, state, bias, matmul.Route(8, "fused", config))
+    for config in (TlConfig(16, 16, 64, lookup=0), TlConfig(16, 16, 64, split_k=2, lookup=0)):  # bias in the kernel, in the sum
+        y = matmul.linear_by_route(x, packed, state, bias, routes.Route(8, "fused", config))
         assert_within_bound(y, x, decoded(packed, state, torch.float16), bias)
 
 
@@ -250,7 +257,7 @@ def test_a_kept_check_reads_the_tables_the_state_holds_now(trusted, monkeypatch)
     launches with the old table and leaves the bound."""
     packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=5)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(6)).half().to(DEVICE)
-    route = matmul.Route(8, "fused", C(16, 16, 64, 1, True, 4, 2, 0))
+    route = routes.Route(8, "fused", TlConfig(16, 16, 64, lookup=0))
     matmul.linear_by_route(x, packed, state, None, route)
     if trusted:
         monkeypatch.setattr(quantstate.StateFacts, "matches", lambda self, packed, qs: True)
@@ -265,7 +272,7 @@ def test_a_kept_check_goes_with_its_state():
     """What the fused path keeps for a quant state is dropped when the state dies."""
     packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=7)
     x = torch.randn(1, 128).half().to(DEVICE)
-    matmul.linear_by_route(x, packed, state, None, matmul.Route(8, "fused", C(16, 16, 64, 1, True, 4, 2, 0)))
+    matmul.linear_by_route(x, packed, state, None, routes.Route(8, "fused", TlConfig(16, 16, 64, lookup=0)))
     kept = weakref.ref(quantstate.kept_check(state))
     assert kept().state_ref() is state
     del state
@@ -279,7 +286,7 @@ def test_nf4_linear_keeps_the_gradient():
     packed, state = quantize((24, 128), dtype=torch.float16, device=DEVICE, seed=3)
     x = torch.randn(2, 128).half().to(DEVICE).requires_grad_()
     bias = torch.zeros(24, dtype=torch.float16, device=DEVICE, requires_grad=True)
-    y = matmul.linear_by_route(x, packed, state, bias, matmul.Route(8, "fused", C(16, 16, 64, 1, True, 4, 2, 0)))
+    y = matmul.linear_by_route(x, packed, state, bias, routes.Route(8, "fused", TlConfig(16, 16, 64, lookup=0)))
     y.float().sum().backward()
     weight = decoded(packed, state, torch.float16)
     assert torch.equal(x.grad, torch.ones(2, 24, dtype=torch.float16, device=DEVICE) @ weight)
@@ -299,7 +306,7 @@ def test_interpreter_bf16_takes_no_dot():
     route is dequantized: within the bound, not the dot's garbage."""
     packed, state = quantize((24, 128), dtype=torch.bfloat16, device=DEVICE, seed=6)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
-    y = matmul.linear_by_route(x, packed, state, None, matmul.Route(8, "fused", C(16, 16, 64, 1, True, 4, 2, 0)))
+    y = matmul.linear_by_route(x, packed, state, None, routes.Route(8, "fused", TlConfig(16, 16, 64, lookup=0)))
     assert_within_bound(y, x, decoded(packed, state, torch.bfloat16))
 
 
@@ -311,34 +318,24 @@ def test_nf4_linear_group_names_itself():
 
 
 def test_routes_are_well_formed():
-    for routes in (*matmul.MATMUL_ROUTES.values(), matmul.DEFAULT_ROUTES, *matmul.TL_ROUTES.values()):
-        for route in routes:
+    for table in (*routes.MATMUL_ROUTES.values(), routes.DEFAULT_ROUTES, *routes.TL_ROUTES.values()):
+        for route in table:
             assert route.path in ("fused", "dequantize", "bitsandbytes")
             assert (route.config is not None) == (route.path == "fused")
-            config = route.config
-            if config is None:
-                continue
-            if config.mma:
-                assert config.block_m % 8 == 0 and config.words in (2, 4) and config.block_k % (32 * config.words) == 0
-                assert config.block_n % (16 * (1 if config.kwarps > 1 else config.num_warps)) == 0
-                assert config.kwarps == 1 or (config.num_warps == config.kwarps and config.split_k == 1
-                                              and not config.stage_x and not config.wgmma)
-                assert not config.wgmma or (config.num_warps % 4 == 0 and config.block_m <= 256)
-            else:
-                assert config.block_m >= 16 if config.dot else config.block_m == 1
-            assert config.accumulators == 1 or (config.accumulators == 2 and config.mma and config.kwarps > 1)
-            assert config.block_k % 8 == 0 and config.split_k >= 1
-            assert not config.fold or (config.mma and config.split_k > 1)
-    for routes in matmul.TL_ROUTES.values():  # the table for where mma.py's kernel cannot run
-        assert not any(route.config is not None and route.config.mma for route in routes)
-    assert not any(route.config is not None and route.config.mma for route in matmul.MATMUL_ROUTES[(7, 5)])
-    for capability, routes in matmul.MATMUL_ROUTES.items():  # wgmma is sm_90's alone
-        assert capability == (9, 0) or not any(route.config is not None and route.config.wgmma for route in routes)
+            assert route.config is None or isinstance(route.config, (TlConfig, *GLUON_CONFIGS))
+            assert route.config is None or isinstance(route.config, KSliceConfig) or not getattr(route.config, "fold", 0) \
+                or route.config.split_k > 1
+    for table in routes.TL_ROUTES.values():  # the table for where the Gluon kernels cannot run
+        assert not any(isinstance(route.config, GLUON_CONFIGS) for route in table)
+    assert not any(isinstance(route.config, GLUON_CONFIGS) for route in routes.MATMUL_ROUTES[(7, 5)])
+    for capability, table in routes.MATMUL_ROUTES.items():  # wgmma is sm_90's alone
+        assert capability == (9, 0) or not any(isinstance(route.config, WgmmaConfig) for route in table)
     # the H100's tables at the measured points (bench/matmul.py --sweep)
-    route = matmul.choose_route
-    assert route((9, 0), 1, 4096, 14336).config.mma and route((9, 0), 3, 4096, 4096).config.split_k == 8
+    route = routes.choose_route
+    assert isinstance(route((9, 0), 1, 4096, 14336).config, GLUON_CONFIGS) and route((9, 0), 3, 4096, 4096).config.split_k == 8
     assert route((9, 0), 1, 4096, 1024).config.split_k == 16 and route((9, 0), 2, 4096, 1024).config.split_k == 16
-    assert route((9, 0), 8, 4096, 1024).config.mma and route((9, 0), 64, 4096, 4096).config.mma
+    assert all(isinstance(route((9, 0), m, *shape).config, GLUON_CONFIGS) for m, shape in ((8, (4096, 1024)),
+                                                                                         (64, (4096, 4096))))
     # the long-K layers at split 16 from 1 to 8 rows, 32 at 1 and 2 rows of 28672x8192 (NOTES.md item 85); not 8192x8192
     assert [route((9, 0), m, 14336, 4096).config.split_k for m in (1, 4, 8, 16)] == [16, 16, 16, 8]
     assert [route((9, 0), m, 28672, 8192).config.split_k for m in (1, 2, 3, 8)] == [32, 32, 16, 16]
@@ -346,9 +343,9 @@ def test_routes_are_well_formed():
     # K slices across a program's warps at 1 and 2 rows where they divide K, from 4096 inputs (item 99): 4 warps of 512
     # columns on 4096x14336 and gate|up merged, 256 at two rows of gate|up; 8 warps of 128 on 4096x4096
     wide = route((9, 0), 1, 4096, 14336).config
-    assert wide.kwarps == 4 and wide == route((9, 0), 2, 4096, 14336).config._replace(stream=True)
-    assert route((9, 0), 1, 4096, 28672).config == wide._replace(accumulators=2)  # gate|up merged, one row (item 103)
-    assert route((9, 0), 2, 4096, 28672).config == wide._replace(block_k=256)
+    assert wide.warps == 4 and wide == route((9, 0), 2, 4096, 14336).config.replace(stream=True)
+    assert route((9, 0), 1, 4096, 28672).config == wide.replace(accumulators=2)  # gate|up merged, one row (item 103)
+    assert route((9, 0), 2, 4096, 28672).config == wide.replace(block_k=256)
     assert [route((9, 0), m, shape[0], shape[1]).config.accumulators for m, shape in (
         (1, (4096, 14336)), (2, (4096, 28672)), (1, (4096, 6144)), (1, (4096, 4096)))] == [1, 1, 1, 1]
     # the words streamed where it won (item 101): folded or read-back sums, not the one-row K slices of q|k|v or 4096x4096
@@ -356,10 +353,11 @@ def test_routes_are_well_formed():
     assert all(route((9, 0), m, 4096, 28672).config.stream for m in (1, 2, 4, 8, 16))
     assert not any(route((9, 0), m, *shape).config.stream for m, shape in ((1, (4096, 6144)), (1, (4096, 4096)),
                                                                           (2, (4096, 4096)), (32, (4096, 14336))))
-    assert [route((9, 0), m, 4096, 4096).config.kwarps for m in (1, 2, 3)] == [8, 8, 1]
-    assert route((9, 0), 1, 14336, 4096).config.kwarps == route((9, 0), 1, 8192, 2048).config.kwarps == 1
+    assert [getattr(route((9, 0), m, 4096, 4096).config, "warps", 1) for m in (1, 2, 3)] == [8, 8, 1]
+    assert not isinstance(route((9, 0), 1, 14336, 4096).config, KSliceConfig)
+    assert not isinstance(route((9, 0), 1, 8192, 2048).config, KSliceConfig)
     # elsewhere the loop unrolled at 1 to 2 rows (1 to 4 of 14336x4096), 512 columns a step where they divide K (item 87)
-    unrolled = route((9, 0), 3, 4096, 14336).config._replace(block_k=512, unroll=4, stream=False)
+    unrolled = route((9, 0), 3, 4096, 14336).config.replace(block_k=512, unroll=4, stream=False)
     assert route((9, 0), 1, 4608, 14336).config == route((9, 0), 2, 4608, 14336).config == unrolled
     assert route((9, 0), 3, 4096, 14336).config.unroll == 1 and route((9, 0), 1, 8192, 28672).config.unroll == 1
     assert route((9, 0), 1, 4352, 14336).config == route((9, 0), 3, 4096, 14336).config  # 512 columns do not divide K
@@ -367,27 +365,31 @@ def test_routes_are_well_formed():
     assert [route((9, 0), m, 14336, 4096).config.unroll for m in (1, 4, 8)] == [4, 4, 1]
     assert [route((9, 0), m, 14336, 4096).config.block_k for m in (1, 2, 3)] == [512, 512, 256]  # item 103
     assert route((9, 0), 1, 18944, 3584).config.block_k == 256  # there 512 columns would halve the split
-    assert route((9, 0), 1, 28672, 8192).config == route((9, 0), 1, 28416, 8192).config._replace(block_k=512, unroll=4)
+    assert route((9, 0), 1, 28672, 8192).config == route((9, 0), 1, 28416, 8192).config.replace(block_k=512, unroll=4)
     assert route((9, 0), 1, 4096, 1024).config.num_warps == 8 and route((9, 0), 8, 4096, 1024).config.num_warps == 4
     # q|k|v merged from 24M weights, 4096 inputs and 6144 outputs: K slices at 1 and 2 rows (item 99), else 512
     # columns at split 8 at one row (item 90)
-    assert route((9, 0), 1, 4096, 6144).config == wide._replace(stream=False)
-    assert route((9, 0), 2, 4096, 6144).config == wide._replace(block_k=256)
-    assert tuple(route((9, 0), 1, 4608, 6144).config[:4]) == (8, 64, 512, 8) and route((9, 0), 1, 4608, 6144).config.fold
-    assert route((9, 0), 32, 4096, 14336).config.wgmma and not route((9, 0), 32, 14336, 4096).config.wgmma
+    assert route((9, 0), 1, 4096, 6144).config == wide.replace(stream=False)
+    assert route((9, 0), 2, 4096, 6144).config == wide.replace(block_k=256)
+    assert route((9, 0), 1, 4608, 6144).config == MmaConfig(8, 64, 512, split_k=8, words=4, stage_x=False, fold=True,
+                                                            unroll=4)
+    def wgmma(rows, *shape):
+        return isinstance(route((9, 0), rows, *shape).config, WgmmaConfig)
+
+    assert wgmma(32, 4096, 14336) and not wgmma(32, 14336, 4096)
     assert route((9, 0), 8, 4096, 14336).config.words == 4 and route((9, 0), 32, 4096, 14336).config.words == 2
     assert not route((9, 0), 4, 4096, 14336).config.stage_x and route((9, 0), 8, 4096, 14336).config.stage_x
     assert not route((9, 0), 2, 28672, 8192).config.stage_x and route((9, 0), 4, 28672, 8192).config.stage_x
     assert route((9, 0), 8, 4096, 4096).config.fold and not route((9, 0), 8, 4096, 14336).config.fold
     assert route((9, 0), 1, 14336, 4096).config.fold and not route((9, 0), 1, 28672, 8192).config.fold
-    assert route((9, 0), 64, 4096, 14336).config.wgmma and not route((9, 0), 64, 4096, 1024).config.wgmma
-    assert all(route((9, 0), 128, *shape).config.wgmma for shape in ((4096, 14336), (14336, 4096), (4096, 4096),
-                                                                   (4096, 1024), (8192, 28672), (28672, 8192)))
-    assert route((9, 0), 256, 14336, 4096).config.wgmma and route((9, 0), 256, 4096, 4096).path == "dequantize"
+    assert wgmma(64, 4096, 14336) and not wgmma(64, 4096, 1024)
+    assert all(wgmma(128, *shape) for shape in ((4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024), (8192, 28672),
+                                                (28672, 8192)))
+    assert wgmma(256, 14336, 4096) and route((9, 0), 256, 4096, 4096).path == "dequantize"
     assert route((9, 0), 512, 4096, 14336).path == "dequantize"
-    assert route((9, 0), 1, 4096, 14336, matmul.TL_ROUTES).path == "bitsandbytes"
-    assert route((9, 0), 16, 4096, 14336, matmul.TL_ROUTES).config.block_n == 64
-    assert route((9, 0), 64, 4096, 4096, matmul.TL_ROUTES).path == "dequantize"
+    assert route((9, 0), 1, 4096, 14336, routes.TL_ROUTES).path == "bitsandbytes"
+    assert route((9, 0), 16, 4096, 14336, routes.TL_ROUTES).config.block_n == 64
+    assert route((9, 0), 64, 4096, 4096, routes.TL_ROUTES).path == "dequantize"
     assert route((9, 0), 4096, 4096, 14336).path == "dequantize"
 
 
@@ -398,15 +400,15 @@ def test_fast_dram_dequantizes_from_129_rows():
     shapes = [(4096, 14336), (14336, 4096), (8192, 28672), (28672, 8192), (4096, 4096), (4096, 1024), (8192, 8192)]
     for shape in shapes:
         for rows in (1, 2, 3, 8, 16, 17, 64, 100, 128):
-            assert matmul.choose_route((9, 0), rows, *shape, dram_gbps=h200) == matmul.choose_route((9, 0), rows, *shape)
+            assert routes.choose_route((9, 0), rows, *shape, dram_gbps=h200) == routes.choose_route((9, 0), rows, *shape)
         for rows in (129, 200, 256, 512):
-            assert matmul.choose_route((9, 0), rows, *shape, dram_gbps=h200).path == "dequantize", (shape, rows)
-    assert all(matmul.choose_route((9, 0), 256, *shape, dram_gbps=h100).path == "fused" for shape in shapes[:4])
-    assert matmul.choose_route((9, 0), 256, 4096, 14336, dram_gbps=kernel.FAST_DRAM_GBPS - 1).path == "fused"
-    assert matmul.choose_route((9, 0), 256, 4096, 14336, dram_gbps=kernel.FAST_DRAM_GBPS).path == "dequantize"
+            assert routes.choose_route((9, 0), rows, *shape, dram_gbps=h200).path == "dequantize", (shape, rows)
+    assert all(routes.choose_route((9, 0), 256, *shape, dram_gbps=h100).path == "fused" for shape in shapes[:4])
+    assert routes.choose_route((9, 0), 256, 4096, 14336, dram_gbps=fastpath.FAST_DRAM_GBPS - 1).path == "fused"
+    assert routes.choose_route((9, 0), 256, 4096, 14336, dram_gbps=fastpath.FAST_DRAM_GBPS).path == "dequantize"
     # the DRAM rule is sm_90's alone, and not the tl table's (which stops at 128 rows)
-    assert matmul.routes_for((8, 0), dram_gbps=h200) is matmul.routes_for((8, 0))
-    assert matmul.routes_for((9, 0), matmul.TL_ROUTES, h200) is matmul.TL_ROUTES[(9, 0)]
+    assert routes.routes_for((8, 0), dram_gbps=h200) is routes.routes_for((8, 0))
+    assert routes.routes_for((9, 0), routes.TL_ROUTES, h200) is routes.TL_ROUTES[(9, 0)]
 
 
 @pytest.mark.parametrize("peak,path", [(4814, "dequantize"), (3352, "fused")], ids=["h200", "h100"])
@@ -414,7 +416,7 @@ def test_device_route_reads_the_dram_peak(monkeypatch, peak, path):
     """A call's route takes its device's DRAM peak, not its capability alone: 256 rows of 14336x4096 on sm_90."""
     monkeypatch.setattr(matmul, "device_facts", lambda device=None: ((9, 0), 50 << 20, peak))
     for device in (torch.device("cuda", 0), None):
-        assert matmul.device_route(device, 256, 14336, 4096).path == path
+        assert matmul.device_route(device, 256, 14336, 4096)[0].path == path
 
 
 def test_mma_route_falls_back_to_the_tl_table():
@@ -422,9 +424,9 @@ def test_mma_route_falls_back_to_the_tl_table():
     through the tl table's route for the same call, within the same bound."""
     packed, state = quantize((40, 256), dtype=torch.float32, device=DEVICE, seed=6)
     x = torch.randn(5, 256).to(DEVICE)
-    config = C(8, 64, 256, 1, True, 4, mma=True)
-    assert not matmul.mma_supported(x, 256, 64, config)
-    y = matmul.linear_by_route(x, packed, state, None, matmul.Route(8, "fused", config))
+    config = MmaConfig(8, 64, 256)
+    assert not fused.gluon_supported(x, 256, 64, config, fastpath.device_facts(x.device)[0])
+    y = matmul.linear_by_route(x, packed, state, None, routes.Route(8, "fused", config))
     assert_within_bound(y, x, decoded(packed, state, torch.float32))
 
 
@@ -472,24 +474,25 @@ def test_routes_compile_ahead_of_time(cc):
     assert lines or (cc < 80 and not matmul.SM75_COMPILES), "no fused route compiled"
     for line in lines:
         assert line["asm_mul_ftz"] > 0, line
-        config = line["config"]
-        if config["mma"]:  # mma.py's kernel: mma.sync or wgmma on fragments decoded in registers, codes by shuffle
-            staged = config["stage_x"] or config["wgmma"]
+        config, family = line["config"], line["config"]["family"]
+        if family != "TlConfig":  # a Gluon kernel: mma.sync or wgmma on fragments decoded in registers, codes by shuffle
+            staged = family == "WgmmaConfig" or config.get("stage_x", False)
             x_tile_bytes = config["block_m"] * config["block_k"] * 2 if staged else 0
-            count_bytes = 4 if config["fold"] else 0  # fold: the tile's count, shared with every thread
-            assert line["wgmma" if config["wgmma"] else "mma"] > 0 and line["shfl"] > 0, line
-            if config["kwarps"] > 1:  # the slices' sums added through shared memory, one fp32 tile a warp at most
-                assert 0 < line["shared_bytes"] <= config["kwarps"] * config["block_n"] * config["block_m"] * 4, line
+            count_bytes = 4 if config.get("fold") else 0  # fold: the tile's count, shared with every thread
+            assert line["wgmma" if family == "WgmmaConfig" else "mma"] > 0 and line["shfl"] > 0, line
+            if family == "KSliceConfig":  # the slices' sums added through shared memory, one fp32 tile a warp at most
+                assert 0 < line["shared_bytes"] <= config["warps"] * config["block_n"] * config["block_m"] * 4, line
             else:
                 assert line["shared_bytes"] == max(x_tile_bytes, count_bytes), line
             assert line["ld_v4" if config["words"] == 4 else "ld_v2"] > 0, line
             # stream: the words' vector loads evict-first in L1 and L2 (one policy register); no route's otherwise
             assert (line["ld_evict_first"] > 0) == config["stream"], line
-        elif config["dot"]:  # a tensor-core tile
-            assert cc < 80 or line["wgmma"] + line["mma"] > 0, line
-    if cc == 90 and mma_layouts.AVAILABLE:  # sm_90's mma.py routes stream the words in both kernels, not in every route
-        # (items 101, 102); before Triton 3.6 the tl table's routes, none of mma.py's
-        streamed = {(line["config"]["kwarps"] > 1, line["config"]["stream"]) for line in lines if line["config"]["mma"]}
+        elif config["dot"]:  # a tensor-core tile from sm_80; below, Triton lowers tl.dot to FMA (no mma in the PTX)
+            assert (line["wgmma"] + line["mma"] > 0) == (cc >= 80), line
+    if cc == 90 and mma_layouts.AVAILABLE:  # sm_90's Gluon routes stream the words in both kernels, not in every route
+        # (items 101, 102); before Triton 3.6 the tl table's routes, none of the Gluon kernels'
+        streamed = {(line["config"]["family"] == "KSliceConfig", line["config"]["stream"]) for line in lines
+                    if line["config"]["family"] != "TlConfig"}
         assert streamed == {(True, True), (True, False), (False, True), (False, False)}
 
 
@@ -500,9 +503,9 @@ def test_gpu_every_h100_route_within_bound(dtype):
     equal to its own matmul_4bit."""
     import bitsandbytes
 
-    for route in matmul.MATMUL_ROUTES[(9, 0)]:
+    for route in routes.MATMUL_ROUTES[(9, 0)]:
         # the second shape's K whole slices of a K-slice tile (K = 320 takes the tl table's route there)
-        k_slices = 1 if route.config is None else route.config.block_k * route.config.kwarps
+        k_slices = 1 if route.config is None else routes.columns_per_step(route.config)
         for shape, rows in (((72, 320), 3), ((136, max(1024, 2 * k_slices)), route.max_rows)):
             packed, state = quantize(shape, dtype=dtype, device="cuda", seed=rows)
             x = torch.randn(rows, shape[1], device="cuda", dtype=dtype)
@@ -517,22 +520,22 @@ def test_gpu_every_h100_route_within_bound(dtype):
 # words a thread and chunk, x staged in shared memory or read by each warp, the split-K sum in a second kernel or
 # folded into the first; K slices across a program's warps (kwarps: one or two repeats, 2 or 4 words, 2 to 8 warps);
 # the words evict-first (stream) in each kernel; two accumulators in the K-slice kernel.
-MMA_CONFIGS = [C(8, 64, 64, 1, True, 4, mma=True), C(16, 128, 128, 2, True, 4, mma=True),
-               C(8, 128, 256, 4, True, 8, mma=True), C(64, 128, 64, 1, True, 2, mma=True),
-               C(8, 64, 256, 2, True, 4, mma=True, words=4), C(16, 64, 128, 1, True, 4, mma=True, words=4),
-               C(8, 64, 256, 4, True, 4, mma=True, words=4, stage_x=False), C(16, 64, 64, 2, True, 4, mma=True, stage_x=False),
-               C(8, 64, 256, 4, True, 4, mma=True, words=4, fold=True),
-               C(8, 64, 128, 2, True, 4, mma=True, words=4, stage_x=False, fold=True),
-               C(16, 64, 128, 1, True, 4, mma=True, wgmma=True), C(32, 128, 64, 2, True, 8, mma=True, wgmma=True),
-               C(64, 128, 128, 2, True, 4, mma=True, words=4, wgmma=True),
-               C(128, 64, 64, 2, True, 4, mma=True, fold=True, wgmma=True, prefetch=True),
-               C(32, 64, 128, 4, True, 4, mma=True, prefetch=True),
-               C(8, 16, 128, 1, True, 4, mma=True, words=4, stage_x=False, kwarps=4),
-               C(16, 32, 64, 1, True, 2, mma=True, stage_x=False, kwarps=2),
-               C(8, 16, 512, 1, True, 8, mma=True, words=4, stage_x=False, unroll=4, kwarps=8),
-               C(8, 64, 128, 2, True, 4, mma=True, words=4, stage_x=False, fold=True, stream=True),
-               C(8, 16, 256, 1, True, 4, mma=True, words=4, stage_x=False, unroll=4, kwarps=4, stream=True),
-               C(8, 16, 128, 1, True, 4, mma=True, words=4, stage_x=False, unroll=2, kwarps=4, accumulators=2)]
+MMA_CONFIGS = [MmaConfig(8, 64, 64), MmaConfig(16, 128, 128, split_k=2),
+               MmaConfig(8, 128, 256, split_k=4, num_warps=8), MmaConfig(64, 128, 64, num_warps=2),
+               MmaConfig(8, 64, 256, split_k=2, words=4), MmaConfig(16, 64, 128, words=4),
+               MmaConfig(8, 64, 256, split_k=4, words=4, stage_x=False), MmaConfig(16, 64, 64, split_k=2, stage_x=False),
+               MmaConfig(8, 64, 256, split_k=4, words=4, fold=True),
+               MmaConfig(8, 64, 128, split_k=2, words=4, stage_x=False, fold=True),
+               WgmmaConfig(16, 64, 128), WgmmaConfig(32, 128, 64, split_k=2, num_warps=8),
+               WgmmaConfig(64, 128, 128, split_k=2, words=4),
+               WgmmaConfig(128, 64, 64, split_k=2, fold=True, prefetch=True),
+               MmaConfig(32, 64, 128, split_k=4, prefetch=True),
+               KSliceConfig(8, 16, 128),
+               KSliceConfig(16, 32, 64, warps=2, words=2),
+               KSliceConfig(8, 16, 512, warps=8, unroll=4),
+               MmaConfig(8, 64, 128, split_k=2, words=4, stage_x=False, fold=True, stream=True),
+               KSliceConfig(8, 16, 256, unroll=4, stream=True),
+               KSliceConfig(8, 16, 128, unroll=2, accumulators=2)]
 
 
 @pytest.mark.gpu
@@ -543,15 +546,15 @@ def test_gpu_mma_weights_bit_exact(config, form):
     non-zero term), so the product equals dequantize_nf4's weight bit for bit, through the
     permuted K order, partial tiles of rows (N = 72, 200) and split-K; random x, with bias, within
     the bound. A weight decoded wrong in one place fails the first check."""
-    if config.wgmma and torch.cuda.get_device_capability()[0] != 9:
+    if isinstance(config, WgmmaConfig) and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma is sm_90's")
     blocksize = int(form.split()[-1]) if "blocksize" in form else 64
     for dtype, out_features in itertools.product((torch.float16, torch.bfloat16), (72, 200)):
-        in_features = 2 * config.block_k * config.split_k * config.kwarps
+        in_features = 2 * routes.columns_per_step(config) * config.split_k
         packed, state = quantize((out_features, in_features), dtype=dtype, device="cuda", blocksize=blocksize,
                                  nested="flat" not in form, quant_type=form[:3], seed=out_features)
         x = torch.eye(in_features, device="cuda", dtype=dtype)
-        assert matmul.mma_supported(x, in_features, blocksize, config)
+        assert fused.gluon_supported(x, in_features, blocksize, config, torch.cuda.get_device_capability())
         weight = kernel.dequantize_nf4(packed, state).to(dtype)
         assert torch.equal(launch(x, packed, state, config).T, weight)
         x = torch.randn(13, in_features, device="cuda", dtype=dtype)
@@ -564,7 +567,7 @@ def test_gpu_mma_weights_bit_exact(config, form):
 def test_gpu_kwarps_group_equals_each_alone(rows):
     """K slices across a program's warps over q, k and v in one launch: each output bit for bit its weight's
     alone through the same tile, and within the bound of the exact decode."""
-    dtype, config = torch.bfloat16, C(8, 16, 128, 1, True, 4, mma=True, words=4, stage_x=False, kwarps=4)
+    dtype, config = torch.bfloat16, KSliceConfig(8, 16, 128)
     x = torch.randn(rows, 1024, device="cuda", dtype=dtype)
     weights = [quantize((count, 1024), dtype=dtype, device="cuda", seed=count) for count in (96, 48, 40)]
     outs = [torch.full((rows, count), float("nan"), dtype=dtype, device="cuda") for count in (96, 48, 40)]
@@ -572,8 +575,9 @@ def test_gpu_kwarps_group_equals_each_alone(rows):
     for (packed_j, state), out in zip(weights, outs):
         _, blocksize, nested, blocksize2, tables_j = quantstate.check_state(packed_j, state)
         members.append((packed_j.view(torch.uint8), tables_j, out))
-    matmul.launch_fused(x, *members[0][:2], None, outs[0], n=184, k=1024, blocksize=blocksize, blocksize2=blocksize2,
-                        nested=nested, fp4=False, config=config, members=tuple(members[1:]))
+    fused.launch_fused(x, *members[0][:2], None, outs[0], n=184, k=1024, blocksize=blocksize, blocksize2=blocksize2,
+                       nested=nested, fp4=False, config=config, capability=torch.cuda.get_device_capability(),
+                       members=tuple(members[1:]))
     for got, (packed_j, state) in zip(outs, weights):
         assert torch.equal(got, launch(x, packed_j, state, config))
         assert_within_bound(got, x, kernel.dequantize_nf4(packed_j, state).to(dtype))
@@ -584,11 +588,11 @@ def test_gpu_folded_split_k_sum_owns_its_scratch():
     """The split-K sum folded into mma.py's kernel equals the reduction kernel's bit for bit, with bias: calls
     on two streams at once (each stream its own counters and partials), and a captured graph replayed while
     another stream runs the same layer eagerly (the captured launch's counters and partials its own)."""
-    dtype, config = torch.bfloat16, C(8, 64, 256, 4, True, 4, mma=True, words=4, fold=True)
+    dtype, config = torch.bfloat16, MmaConfig(8, 64, 256, split_k=4, words=4, fold=True)
     packed, state = quantize((4096, 2048), dtype=dtype, device="cuda", seed=5)
     bias = torch.randn(4096, device="cuda", dtype=dtype)
     xs = [torch.randn(rows, 2048, device="cuda", dtype=dtype) for rows in (1, 3, 8, 8)]
-    expected = [launch(x, packed, state, config._replace(fold=False), bias) for x in xs]
+    expected = [launch(x, packed, state, config.replace(fold=False), bias) for x in xs]
     torch.cuda.synchronize()  # x and the expected results written before the other streams read them
     streams = [torch.cuda.Stream() for _ in range(2)]
     for _ in range(20):
@@ -636,10 +640,10 @@ def test_gpu_graph_capture_replays_the_same():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [C(16, 32, 128, 2, True, 4, 2, 2), C(16, 16, 64, 1, True, 4, 2, 1),
-                                    C(1, 16, 64, 2, False, 4, 2, 0), *MMA_CONFIGS[:2]], ids=str)
+@pytest.mark.parametrize("config", [TlConfig(16, 32, 128, split_k=2), TlConfig(16, 16, 64, lookup=1),
+                                    TlConfig(1, 16, 64, split_k=2, dot=False, lookup=0), *MMA_CONFIGS[:2]], ids=str)
 def test_gpu_replayed_launches_equal_triton_launches(config):
-    """A repeated call replays the launches its first call recorded (``matmul.LAUNCHES``): for a
+    """A repeated call replays the launches its first call recorded (``fused.LAUNCHES``): for a
     new x, a new output, each of two weights of one shape, with and without bias, split-K or not,
     the replay runs and its result equals Triton's own launch of the same call."""
     dtype = torch.bfloat16
@@ -653,16 +657,16 @@ def test_gpu_replayed_launches_equal_triton_launches(config):
             return launch_fn(*args)
         return replay
 
-    matmul.LAUNCHES.clear()
+    fused.LAUNCHES.clear()
     for (packed, state), case_bias in itertools.product(weights, (None, bias)):
         launch(torch.randn(3, 1024, device="cuda", dtype=dtype), packed, state, config, case_bias)  # records
-        for key, launches in list(matmul.LAUNCHES.items()):
-            matmul.LAUNCHES[key] = tuple(None if fn is None else counted(fn) for fn in launches)
+        for key, launches in list(fused.LAUNCHES.items()):
+            fused.LAUNCHES[key] = tuple(None if fn is None else counted(fn) for fn in launches)
         x = torch.randn(3, 1024, device="cuda", dtype=dtype)
         before = len(replays)
         replayed = launch(x, packed, state, config, case_bias)
         assert len(replays) == before + (1 if config.split_k == 1 else 2)
-        matmul.LAUNCHES.clear()
+        fused.LAUNCHES.clear()
         assert torch.equal(replayed, launch(x, packed, state, config, case_bias))  # Triton's own launch
 
 
@@ -700,7 +704,7 @@ def test_gpu_nf4_linear_group_equals_each_alone(rows, monkeypatch):
     plan = matmul.group_plan(x, states)
     if rows > matmul.GROUP_MAX_ROWS:
         launches = []
-        launch = matmul.launch_fused
+        launch = fused.launch_fused
         monkeypatch.setattr(matmul, "launch_fused", lambda *args, **kwargs: launches.append(kwargs.get("members"))
                             or launch(*args, **kwargs))
         for got, layer in zip(matmul.nf4_linear_group(x, layers), layers):
@@ -709,9 +713,9 @@ def test_gpu_nf4_linear_group_equals_each_alone(rows, monkeypatch):
         return
     assert plan is not None and len(plan.layouts) == 3
     config = plan.config
-    assert config.fold or matmul.split_taken(512 // config.block_k, config.split_k) == 1
+    assert config.fold or fused.largest_divisor(512 // config.block_k, config.split_k) == 1
     for got, (packed, state) in zip(matmul.nf4_linear_group(x, layers), states):
-        assert torch.equal(got, matmul.linear_by_route(x, packed, state, None, matmul.Route(rows, "fused", config)))
+        assert torch.equal(got, matmul.linear_by_route(x, packed, state, None, routes.Route(rows, "fused", config)))
     odd = [linear4bit((count, 512), device="cuda", seed=count)[0] for count in (200, 128)]
     assert matmul.group_plan(x, [(layer.weight.data, layer.weight.quant_state) for layer in odd]) is None
     for got, layer in zip(matmul.nf4_linear_group(x, odd), odd):
@@ -734,21 +738,21 @@ def outputs_from_threads(call, inputs, calls=200):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [C(16, 64, 256, 4, True, 4, mma=True, words=4),
-                                    C(16, 64, 128, 4, True, 4, mma=True, words=4, stage_x=False),
-                                    C(32, 128, 64, 4, True, 8, mma=True, wgmma=True, prefetch=True),
-                                    C(16, 64, 256, 4, True, 4, 2, 2)], ids=str)
+@pytest.mark.parametrize("config", [MmaConfig(16, 64, 256, split_k=4, words=4),
+                                    MmaConfig(16, 64, 128, split_k=4, words=4, stage_x=False),
+                                    WgmmaConfig(32, 128, 64, split_k=4, num_warps=8, prefetch=True),
+                                    TlConfig(16, 64, 256, split_k=4)], ids=str)
 def test_gpu_threads_on_one_stream_at_a_split_k_reduction(config):
     """Two threads on one stream through a split-K tile whose sums a second kernel adds: each output is its own
     input's (a stream's shared partial sums handed one thread's sums to the other's reduction: 54 of 400
     outputs at 16 rows of 4096x4096 bf16 on an H200 were the other thread's)."""
-    if config.wgmma and torch.cuda.get_device_capability()[0] != 9:
+    if isinstance(config, WgmmaConfig) and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma runs on sm_90")
-    if config.mma and not matmul.mma_runs_on(torch.cuda.get_device_capability()):
-        pytest.skip("mma.py's kernel needs Triton 3.6 and sm_80")
+    if isinstance(config, GLUON_CONFIGS) and not fused.gluon_runs_on(torch.cuda.get_device_capability()):
+        pytest.skip("the Gluon kernels need Triton 3.6 and sm_80")
     dtype = torch.bfloat16
     packed, state = quantize((4096, 4096), dtype=dtype, device="cuda", seed=11)
-    route = matmul.Route(64, "fused", config)
+    route = routes.Route(64, "fused", config)
     xs = [torch.randn(16, 4096, device="cuda", dtype=dtype) for _ in range(2)]
     expected = [matmul.linear_by_route(x, packed, state, None, route) for x in xs]
     results = outputs_from_threads(lambda x: matmul.linear_by_route(x, packed, state, None, route), xs)

@@ -54,16 +54,16 @@ def patch(gpu):
     """The process as on ``gpu``: its facts, whether mma.py's kernel runs, no stream capture, kernels recorded."""
     _, capability, l2_bytes, dram_gbps, gluon = gpu
     facts = lambda device=None: (capability, l2_bytes, dram_gbps)
-    kernel, matmul = (sys.modules[f"nf4_triton.{name}"] for name in ("kernel", "matmul"))
+    kernel, fused = (sys.modules[f"nf4_triton.{name}"] for name in ("kernel", "fused"))
     for module in [module for name, module in sys.modules.items() if name.startswith("nf4_triton.")]:
         if hasattr(module, "device_facts"):
             module.device_facts = facts
         for name, value in list(vars(module).items()):
             if hasattr(value, "arg_names") and hasattr(value, "fn") and not isinstance(value, Recorder):
                 setattr(module, name, Recorder(name, value))
-    matmul.mma_runs_on = lambda cap, gluon=gluon: gluon and tuple(cap) >= (8, 0)
+    fused.gluon_runs_on = lambda cap, gluon=gluon: gluon and tuple(cap) >= (8, 0)
     torch.cuda.is_current_stream_capturing = lambda: False
-    matmul.fold_counters = lambda device, tiles, capturing: torch.zeros(4096, dtype=torch.int32) if tiles <= 4096 else None
+    fused.fold_counters = lambda device, tiles, capturing: torch.zeros(4096, dtype=torch.int32) if tiles <= 4096 else None
     kernel.dequantize_nf4 = lambda packed, state, **_: (LAUNCHED.append(dict(path="dequantize", dtype=str(state.dtype)))
                                                         or torch.empty(tuple(state.shape), dtype=state.dtype))
     torch.nn.functional.linear = lambda x, w, b=None: torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype)

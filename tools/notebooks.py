@@ -296,7 +296,7 @@ by warp shuffle, and x's tile read once a program into shared memory; elsewhere 
 up/gate layer (4096 in, 14336 out) in <<dtype>> over M rows of x: the fused kernel against dequantize + `F.linear` (cuBLAS) and
 bitsandbytes' own 4-bit matmul, by the repository's benchmark (`bench/matmul.py`: GPU time per call
 from CUDA graphs over enough weight copies to be read from memory, the roofline measured here), and
-the fused result against dequantize + `F.linear`. `matmul.choose_route` picks one of the three per
+the fused result against dequantize + `F.linear`. `routes.choose_route` picks one of the three per
 GPU and row count; its routes were measured on the H100 and the H200, so on any other GPU, the
 <<gpu>> included, they are reasoned, not measured."""),
     ("code", "matmul", r"""from nf4_triton import matmul
@@ -311,7 +311,7 @@ matmul_timer, matmul_points = bench.matmul.notebook_points(
     rooflines=None if SMOKE else rooflines, meta=None if SMOKE else meta)
 matmul_table = pd.DataFrame(matmul_points).set_index("M")
 matmul_layer = f"{MATMUL_LAYER[0]}x{MATMUL_LAYER[1]} (in x out), {MATMUL_DTYPE_NAME}"
-print(f"{matmul_layer}: {matmul_timer}; route: what matmul.choose_route picks here")
+print(f"{matmul_layer}: {matmul_timer}; route: what routes.choose_route picks here")
 print(matmul_table.drop(columns=["max_difference", "max_y"]).round(1).to_string())
 matmul_difference = matmul_table["max_difference"].max()
 matmul_largest = matmul_table["max_y"].max()
