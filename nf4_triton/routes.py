@@ -16,7 +16,7 @@ import typing
 from nf4_triton import fastpath
 
 __all__ = ["TlConfig", "MmaConfig", "WgmmaConfig", "KSliceConfig", "GLUON_CONFIGS", "CONFIGS", "Route", "MEBI",
-           "TL_ROUTES", "TL_DEFAULT_ROUTES", "MATMUL_ROUTES", "DEFAULT_ROUTES", "FAST_DRAM_ROUTES", "DEQUANTIZE",
+           "TL_ROUTES", "TL_DEFAULT_ROUTES", "SM75_ROUTES", "MATMUL_ROUTES", "DEFAULT_ROUTES", "FAST_DRAM_ROUTES", "DEQUANTIZE",
            "routes_for", "choose_route", "columns_per_step"]
 
 
@@ -204,7 +204,13 @@ TL_ROUTES = {
 }
 # Reasoned, not measured: the fused kernel up to 16 rows, where it reads the least memory per result.
 TL_DEFAULT_ROUTES = (_fused(16, TlConfig(block_m=16, block_n=32, block_k=256, split_k=4, lookup=1)),)
-TL_ROUTES.update({capability: TL_DEFAULT_ROUTES for capability in ((7, 5), (8, 0), (8, 6), (8, 9))})
+TL_ROUTES.update({capability: TL_DEFAULT_ROUTES for capability in ((8, 0), (8, 6), (8, 9))})
+# sm_75 (the T4): Triton lowers tl.dot to FMA below sm_80 (no mma in the tl tile's sm_75 PTX, tests/test_matmul.py's
+# ahead-of-time check), and sm_75 has no mma.sync.m16n8k16 for the Gluon kernels: bitsandbytes' own 4-bit matmul to
+# its most fused rows, whose rule picks its GEMV, its sm_75 fp16 mma kernel or its dequantization; beyond, ours.
+# Reasoned, not measured (item 112).
+SM75_ROUTES = (Route(1536, "bitsandbytes"),)
+TL_ROUTES[(7, 5)] = SM75_ROUTES
 
 _ONE_ROW_SLICES = KSliceConfig(block_m=8, block_n=16, block_k=512, warps=4, unroll=4)
 _EIGHT_ROWS = MmaConfig(block_m=8, block_n=64, block_k=256, split_k=8, words=4)
@@ -289,10 +295,10 @@ MATMUL_ROUTES = {
     ),
 }
 # Reasoned, not measured (no A100 or L4 has run it): the 16-row tile up to 16 rows, where it reads the least memory
-# per result; dequantize + cuBLAS beyond. sm_75 has no mma.sync.m16n8k16: the tl table's.
+# per result; dequantize + cuBLAS beyond.
 DEFAULT_ROUTES = (_fused(16, _EIGHT_ROWS.replace(block_m=16, words=2)),)
 MATMUL_ROUTES.update({capability: DEFAULT_ROUTES for capability in ((8, 0), (8, 6), (8, 9))})
-MATMUL_ROUTES[(7, 5)] = TL_DEFAULT_ROUTES
+MATMUL_ROUTES[(7, 5)] = SM75_ROUTES
 # A GPU whose DRAM is fast (fastpath.fast_dram: the H200) dequantizes from 129 rows (item 109).
 FAST_DRAM_ROUTES = {(9, 0): tuple(route for route in MATMUL_ROUTES[(9, 0)] if route.max_rows <= 128)}
 

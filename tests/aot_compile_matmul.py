@@ -29,9 +29,12 @@ TL_NAME = {tl.float16: "fp16", tl.bfloat16: "bf16", tl.float32: "fp32"}
 
 
 def variants(capability):
-    """(x dtype, config) for each fused route of this GPU, in every activation dtype it serves there."""
-    if capability < (8, 0) and not matmul.SM75_COMPILES:
-        return  # nf4_linear dequantizes there
+    """(x dtype, config) for each fused route of this GPU, in every activation dtype it serves there. Below sm_80,
+    where no fused route is taken, the tl kernel's dot tile in fp16: what Triton makes of tl.dot there."""
+    if capability < (8, 0):
+        if matmul.SM75_COMPILES:  # Triton 3.3.1 aborts in its LLVM lowering there
+            yield tl.float16, routes.TL_DEFAULT_ROUTES[0].config
+        return
     # the table nf4_linear takes on this Triton: TL_ROUTES where Gluon's mma_v2 is missing (before 3.6)
     table = routes.MATMUL_ROUTES if fused.gluon_runs_on(capability) else routes.TL_ROUTES
     for route in routes.routes_for(capability, table):

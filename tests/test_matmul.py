@@ -456,7 +456,7 @@ def test_nf4_linear_in_torch_compile_one_graph():
 def test_routes_compile_ahead_of_time(cc):
     """Every fused route's configuration compiles for the GPUs it names (K = 4096), with the decode's
     multiply in inline PTX and the product on tensor cores from sm_80 (wgmma where a warp group
-    holds 64 weight rows on sm_90, else mma; sm_75 has no bf16 product, its fp16 dot is Triton's);
+    holds 64 weight rows on sm_90, else mma; on sm_75, which routes none, the tl tile's dot is FMA);
     mma.py's routes with shared memory for x's tile alone where they stage it, none where each warp
     reads its own fragments, the folded split-K sum's count in 4 bytes (the tile's space, where it has one),
     and a thread's words of a chunk in one vector load (16 bytes at 4 words, 8 at 2), as the JIT compiles a
@@ -772,3 +772,13 @@ def test_gpu_threads_on_one_stream_through_nf4_linear(shape, rows):
     results = outputs_from_threads(lambda x: matmul.nf4_linear(x, packed, state), xs)
     wrong = sum(not torch.equal(y, want) for ys, want in zip(results, expected) for y in ys)
     assert wrong == 0, f"{wrong} of {sum(map(len, results))} outputs are not their own input's"
+
+
+def test_sm75_takes_bitsandbytes_to_its_fused_rows():
+    """A T4 (sm_75) has no mma for the Gluon kernels and Triton lowers the tl kernel's tl.dot to FMA there (the
+    ahead-of-time check above): bitsandbytes' own 4-bit matmul to its 1536 fused rows, in both tables and dtypes'
+    routes, dequantize + cuBLAS beyond."""
+    for table in (routes.MATMUL_ROUTES, routes.TL_ROUTES):
+        for rows in (1, 2, 8, 16, 64, 1536):
+            assert routes.choose_route((7, 5), rows, 4096, 14336, table).path == "bitsandbytes"
+        assert routes.choose_route((7, 5), 1537, 4096, 14336, table).path == "dequantize"

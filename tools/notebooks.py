@@ -298,7 +298,9 @@ bitsandbytes' own 4-bit matmul, by the repository's benchmark (`bench/matmul.py`
 from CUDA graphs over enough weight copies to be read from memory, the roofline measured here), and
 the fused result against dequantize + `F.linear`. `routes.choose_route` picks one of the three per
 GPU and row count; its routes were measured on the H100 and the H200, so on any other GPU, the
-<<gpu>> included, they are reasoned, not measured."""),
+<<gpu>> included, they are reasoned, not measured. On a T4 (sm_75) Triton lowers `tl.dot` to FMA and
+the Gluon kernels have no `mma` instruction, so the route there is bitsandbytes' own 4-bit matmul
+to 1536 rows (NOTES.md item 112)."""),
     ("code", "matmul", r"""from nf4_triton import matmul
 import bench.matmul
 
