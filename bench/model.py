@@ -7,7 +7,7 @@ per contender, rounds interleaved (the order turns each round): prefill (inferen
 several token counts, a QLoRA training step (PEFT LoRA r=16 on every linear layer, forward +
 backward + AdamW) with and without gradient checkpointing, and, per layer shape, bitsandbytes' own
 4-bit matmul against dequantize + matmul at small token counts (where bitsandbytes uses its fused
-kernels). Section ``model`` of bench.py runs it; bench/bench.fsdp_qlora.py builds and loads its model the same way.
+kernels). Section ``model`` of ``python -m bench`` runs it; bench/fsdp_qlora.py builds and loads its model the same way.
 """
 
 import contextlib

@@ -2,7 +2,7 @@
 (kernel_roofline.png), the launch sweep (sweep.png), the model's speed over bitsandbytes
 (model.png), the fused matmul over M (matmul.png), bench.serve's decode, prefill and QLoRA
 (serve.png, serve_losses.png) and bench/bench.fsdp_qlora.py's loss curves per FSDP flavour and size
-(fsdp_losses.png). ``python bench.py --plot FOLDER`` redraws them."""
+(fsdp_losses.png). ``python -m bench --plot FOLDER`` redraws them."""
 
 import os
 

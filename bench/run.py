@@ -1,6 +1,6 @@
 """Benchmark: this kernel against bitsandbytes and Unsloth, the copy roofline, a launch sweep.
 
-    python bench.py [--quick] [--dtype fp16|bf16|all] [--out results/] [--rounds N]
+    python -m bench [--quick] [--dtype fp16|bf16|all] [--out results/] [--rounds N]
                     [--sections kernels,harness,compile,sweep,forms,model] [--plot FOLDER]
 
 Kernel times are ``triton.testing.do_bench`` medians (L2 flushed between runs), taken in rounds
@@ -76,7 +76,7 @@ def cpu_demo():
           "to bf16 by the kernel on the CPU against bitsandbytes' own CPU dequantization.")
     print("bit-exact with bitsandbytes:", torch.equal(ours.view(torch.int16), theirs.view(torch.int16)))
     print("Next: `python -m pytest -q tests` runs the CPU test suite (GPU-only tests show as skipped, `s`); "
-          "on a CUDA GPU, `python bench.py` times everything and writes results/<gpu>/.")
+          "on a CUDA GPU, `python -m bench` times everything and writes results/<gpu>/.")
 
 
 def main(argv=None):

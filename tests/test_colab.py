@@ -109,6 +109,7 @@ def install_and_import(folder):
     run([python, "-m", "pip", "install", "-q", "--upgrade", "pip"])
     run([python, "-m", "pip", "install", "-q"] + COLAB_STACK, timeout=1800)
     before = versions(python)
+    print("Colab-like stack:", run([python, "-c", "import sys; print('Python', sys.version.split()[0])"]).strip(), before)
 
     # The cell as written, in a process where `google.colab` is imported, as in Colab.
     script = folder / "install_cell.py"

@@ -112,6 +112,19 @@ def test_a_different_package_next_to_the_notebook_wins_and_is_kept(tmp_path):
     assert (tmp_path / "nf4_triton" / "dropin.py").read_text() == changed
 
 
+@pytest.mark.parametrize("name", notebooks.NOTEBOOKS)
+def test_committed_outputs_show_the_gpu_and_every_chart_as_a_picture(name):
+    """The committed outputs, from a Run all on a GPU: the first names that GPU, and every chart is a PNG (at least
+    four: the kernels' roofline, the launch sweep, the fused matmul, the explorer's default view), none a figure's
+    text."""
+    notebook = load(name)
+    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
+    assert outputs and outputs[0].get("text", "").startswith("This run: NVIDIA "), outputs[:1]
+    pngs = sum("image/png" in output.get("data", {}) for output in outputs)
+    texts = [output.get("text", "") + str(output.get("data", {}).get("text/plain", "")) for output in outputs]
+    assert pngs >= 4 and not any("<Figure size" in text for text in texts), pngs
+
+
 @pytest.mark.long  # on a GPU (CI runs both on the CPU)
 @pytest.mark.parametrize("name", notebooks.NOTEBOOKS)
 def test_run_all_in_smoke_mode_alone(name, tmp_path, monkeypatch):
@@ -125,6 +138,9 @@ def test_run_all_in_smoke_mode_alone(name, tmp_path, monkeypatch):
     text = output_text(notebooks.execute(notebook, str(tmp_path), timeout=60))
     for path in notebooks.notebook_files():
         assert f"{path}: the copy above" in text
+    first = next(cell for cell in notebook.cells if cell.cell_type == "code" and cell.outputs).outputs[0]
+    assert first.text.startswith("This run: no CUDA GPU (smoke mode) | torch "), first.text  # what ran it, first
+    assert "<Figure size" not in text  # every chart a picture
     assert "smoke mode: True" in text
     assert "hand decode == bitsandbytes, bit for bit: True" in text
     assert "graph breaks: 0" in text
