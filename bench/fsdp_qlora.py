@@ -1,7 +1,7 @@
 """QLoRA under FSDP on several GPUs: bitsandbytes' own Linear4bit against the drop-in, side by side in one job.
 
-    torchrun --nproc_per_node 2 bench/bench.fsdp_qlora.py [--sizes 2048x5632x4,4096x14336x2,4096x14336x8@2x2048]
-                                              [--steps 20] [--plan-steps 1000] [--fsdp 1|2] [--out results]
+    torchrun --nproc_per_node 2 -m bench.fsdp_qlora [--sizes 2048x5632x4,4096x14336x2,4096x14336x8@2x2048]
+                                                 [--steps 20] [--plan-steps 1000] [--fsdp 1|2] [--out results]
 
 The path PEFT, Accelerate and TRL document for FSDP QLoRA: the model of bench/model.py (random
 weights saved offline) loaded in 4-bit NF4 with ``bnb_4bit_quant_storage=torch.bfloat16`` so that

@@ -31,7 +31,7 @@ PREFILL_TOKENS = [(1, 1), (1, 128), (4, 512)]  # (batch, sequence)
 TRAIN_TOKENS = (4, 512)
 CROSSOVER_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 1536]
 LORA_RANK = 16
-LLAMA3_VOCAB = 128256  # the real-size models' vocabulary (bench/serve.py, bench/bench.fsdp_qlora.py)
+LLAMA3_VOCAB = 128256  # the real-size models' vocabulary (bench/serve.py, bench/fsdp_qlora.py)
 
 
 def llama_config(size, vocab_size=32000, layers=None):

@@ -1,7 +1,7 @@
 """Charts of a results folder, drawn from its CSVs alone: kernel time as % of the copy roofline
 (kernel_roofline.png), the launch sweep (sweep.png), the model's speed over bitsandbytes
 (model.png), the fused matmul over M (matmul.png), bench.serve's decode, prefill and QLoRA
-(serve.png, serve_losses.png) and bench/bench.fsdp_qlora.py's loss curves per FSDP flavour and size
+(serve.png, serve_losses.png) and bench/fsdp_qlora.py's loss curves per FSDP flavour and size
 (fsdp_losses.png). ``python -m bench --plot FOLDER`` redraws them."""
 
 import os
@@ -156,7 +156,7 @@ def plot_serve(folder):
 
 
 def plot_fsdp(folder):
-    """bench/bench.fsdp_qlora.py's loss curves (fsdp_losses.png) from each flavour whose fsdpN.csv and
+    """bench/fsdp_qlora.py's loss curves (fsdp_losses.png) from each flavour whose fsdpN.csv and
     fsdpN_losses.csv are in the folder: a panel per flavour and size, a line per contender; returns
     the paths written (none where no flavour's files are there)."""
     import matplotlib

@@ -76,7 +76,7 @@ def cpu_demo():
           "to bf16 by the kernel on the CPU against bitsandbytes' own CPU dequantization.")
     print("bit-exact with bitsandbytes:", torch.equal(ours.view(torch.int16), theirs.view(torch.int16)))
     print("Next: `python -m pytest -q tests` runs the CPU test suite (GPU-only tests show as skipped, `s`); "
-          "on a CUDA GPU, `python -m bench` times everything and writes results/<gpu>/.")
+          "on a CUDA GPU, `python -m bench` times its default sections and writes results/<gpu>/.")
 
 
 def main(argv=None):

@@ -23,7 +23,7 @@ from nf4_triton.fused import gluon_supported, largest_divisor, launch_fused
 from nf4_triton.quantstate import require
 from nf4_triton.routes import CONFIGS, GLUON_CONFIGS, TL_ROUTES, Route, TlConfig, choose_route
 
-__all__ = ["nf4_linear", "nf4_linear_group", "group_plan", "GroupPlan", "GROUP_MAX_ROWS", "linear_group",
+__all__ = ["nf4_linear", "nf4_linear_group", "group_plan", "group_config", "GroupPlan", "GROUP_MAX_ROWS", "linear_group",
            "linear_by_route", "linear_unchecked", "check_call", "route_taken", "decoded_weight", "device_route"]
 
 
@@ -147,9 +147,13 @@ def group_plan(x2d, states):
             or not gluon_supported(x2d, x2d.shape[1], formats[0][0], config, capability)
             or any(count % config.block_n for count in rows[:-1])):
         return None
-    if largest_divisor(x2d.shape[1] // config.block_k, config.split_k) > 1:
-        config = config.replace(fold=True)
-    return GroupPlan(config, layouts, capability)
+    return GroupPlan(group_config(config, x2d.shape[1]), layouts, capability)
+
+
+def group_config(config, in_features):
+    """A route's ``config`` as one launch over several weights takes it: split-K folded, since no second kernel adds
+    the partial sums. Built with the route, not here: a traced forward calls this (``routes._Config.folded``)."""
+    return config.folded() if largest_divisor(in_features // config.block_k, config.split_k) > 1 else config
 
 
 def linear_group(x2d, states, plan):

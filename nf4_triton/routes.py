@@ -33,14 +33,25 @@ def _check(config, *conditions):
 
 class _Config:
     """What every family shares: built frozen and validated (``_validate``), hashed once (a replayed launch's key
-    holds it), and equal only to a configuration of its own family."""
+    holds it), equal only to a configuration of its own family, and, where the family folds split-K, built with its
+    folded twin (``folded``)."""
 
     def __post_init__(self):
         self._validate()
         object.__setattr__(self, "_hash", hash((type(self).__name__, dataclasses.astuple(self))))
+        fold = getattr(self, "fold", None)
+        object.__setattr__(self, "_folded", self if fold else dataclasses.replace(self, fold=True) if fold is False
+                           else None)
 
     def __hash__(self):
         return self._hash
+
+    def folded(self):
+        """This configuration with ``fold=True`` (the tile's last program adds the split-K partial sums), built with it:
+        a traced forward reads it and builds no configuration (torch 2.11's Dynamo cannot trace the hash above)."""
+        if self._folded is None:
+            raise TypeError(f"{type(self).__name__} has no split-K fold")
+        return self._folded
 
     def replace(self, **changes):
         """This configuration with ``changes``, validated."""

@@ -225,6 +225,29 @@ def test_a_configuration_is_checked_when_built(build, words):
         build()
 
 
+def test_a_group_launch_takes_its_configuration_inside_a_compiled_graph():
+    """The drop-in's merged forward, traced, asks matmul.group_config for each route's launch configuration: it
+    traces with no graph break (building a configuration there did not: torch 2.11's Dynamo cannot trace its hash, and
+    after a recompile its validation's f-strings meet symbolic ints) and gives the eager call's configuration."""
+    configs = sorted({route.config for table in routes.MATMUL_ROUTES.values() for route in table
+                      if isinstance(route.config, GLUON_CONFIGS)}, key=repr)
+    splits = [config for config in configs if config.split_k > 1]
+    assert splits and len(splits) < len(configs)  # folded and left as they are, both
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def launched(x, config):
+        taken = matmul.group_config(config, 4096)
+        return x * taken.block_n + taken.split_k + int(getattr(taken, "fold", False))
+
+    x = torch.ones(2)
+    for config in splits[:3] + [config for config in configs if config.split_k == 1][:2]:
+        taken = matmul.group_config(config, 4096)
+        assert taken.split_k == config.split_k and getattr(taken, "fold", False) == (config.split_k > 1)
+        assert torch.equal(launched(x, config), x * taken.block_n + taken.split_k + int(getattr(taken, "fold", False)))
+    assert splits[0].folded() is splits[0].folded() == splits[0].replace(fold=True)  # built once, with the route
+
+
 @pytest.mark.skipif(not mma_layouts.AVAILABLE, reason="the Gluon kernels need Triton 3.6 on")
 def test_accumulators_reach_the_kernel():
     """gate|up merged's one-row route launches the K-slice kernel with two accumulators, the others with one."""
@@ -428,19 +451,6 @@ def test_mma_route_falls_back_to_the_tl_table():
     assert not fused.gluon_supported(x, 256, 64, config, fastpath.device_facts(x.device)[0])
     y = matmul.linear_by_route(x, packed, state, None, routes.Route(8, "fused", config))
     assert_within_bound(y, x, decoded(packed, state, torch.float32))
-
-
-def test_readme_matmul_table_is_the_committed_csv():
-    """The README's matmul table is what ``bench.matmul.readme_table`` makes of results/'s matmul.csv."""
-    import os
-
-    import bench.matmul
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "README.md"), encoding="utf-8") as handle:
-        readme = handle.read()
-    table = bench.matmul.readme_table(os.path.join(root, "results", "nvidia-h100-80gb-hbm3", "matmul.csv"))
-    assert "\n".join(table) in readme
 
 
 def test_nf4_linear_in_torch_compile_one_graph():

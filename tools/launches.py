@@ -2,7 +2,7 @@
 each call, the path it takes and each kernel launch's kernel, grid, arguments and options, as JSON lines. Two runs
 that print the same lines show a change left what the calls launch as it was.
 
-    python tools/launches.py > before.jsonl; ...; python tools/launches.py > after.jsonl; diff before.jsonl after.jsonl
+    python -m tools.launches > before.jsonl; ...; python -m tools.launches > after.jsonl; diff before.jsonl after.jsonl
 
 Nothing is launched: the kernels are replaced by recorders, the device's facts by each GPU's, and the tensors are
 empty CPU tensors of the layers' real sizes.
