@@ -1,7 +1,9 @@
 """Compile the fused matmul's route configurations for one GPU target, without a GPU.
 
 Run as ``python tests/aot_compile_matmul.py CC``. Prints one JSON line per variant with the PTX
-facts the tests check. Compiled as the JIT specializes a call with 16-byte aligned tensors and sizes
+facts the tests check. ``python tests/aot_compile_matmul.py CC --sass`` prints instead each Gluon route's K loop in
+SASS (``loop_facts``): its instructions a thread issues per weight it decodes, by class.
+Compiled as the JIT specializes a call with 16-byte aligned tensors and sizes
 of multiples of 16; without that every load is scalar (4096x14336's one-row route, bf16, Triton 3.6:
 358 global loads a thread against 86, x's 16-bit elements one at a time). TRITON_INTERPRET=0 so that
 matmul.py defines compiled kernels on any machine.
@@ -99,9 +101,87 @@ def ptx_digest(ptx, name):
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
+# SASS opcodes by what they do, the first class whose prefix an opcode starts with; the rest count as "other"
+SASS_CLASSES = (("mma", ("HMMA", "HGMMA", "WARPGROUP")), ("global load", ("LDG",)),
+                ("shared memory", ("LDS", "STS", "LDSM")), ("shuffle", ("SHFL",)),
+                ("fp32 math", ("FMUL", "FFMA", "FADD", "FSEL", "FSETP", "FMNMX")), ("16-bit math", ("HMUL2", "HFMA2", "HADD2")),
+                ("convert", ("F2F", "I2F", "F2I", "PRMT")),
+                ("integer", ("IMAD", "IADD3", "LOP3", "SHF", "LEA", "ISETP", "IABS", "IMNMX", "SEL", "MOV", "PLOP3",
+                             "R2UR", "UIADD3", "UIMAD", "ULOP3", "USHF", "ULEA", "UMOV", "ULDC", "LDC", "S2R", "S2UR",
+                             "CS2R", "P2R", "R2P", "VOTE", "POPC", "FLO", "BREV", "BMSK", "SGXT")),
+                ("control", ("BRA", "BAR", "NOP", "DEPBAR", "WARPSYNC", "BSSY", "BSYNC", "YIELD", "EXIT", "MEMBAR",
+                             "ERRBAR", "CCTL")))
+
+
+def sass_class(opcode):
+    return next((name for name, prefixes in SASS_CLASSES if opcode.startswith(prefixes)), "other")
+
+
+def loop_facts(sass):
+    """The innermost loop of ``sass`` (the text Triton's ``asm["sass"]`` gives) that holds a tensor-core instruction,
+    or the whole kernel where none does (its K steps all unrolled): {"scope": "loop" or "kernel", "instructions": its
+    count, "stall_cycles": the sum of their stall counts (the control code's last field: a warp's issue time through
+    it alone), "by_class": {class: count}}."""
+    lines = sass.splitlines()
+    labels = {line[:-1]: index for index, line in enumerate(lines) if re.fullmatch(r"\w+:", line)}
+    loops = []
+    for index, line in enumerate(lines):
+        branch = re.search(r"\bBRA (\w+);", line)
+        if branch and labels.get(branch.group(1), index) < index:
+            loops.append((labels[branch.group(1)], index))
+    facts = []
+    for start, end in loops + [(-1, len(lines) - 1)]:
+        body = [re.match(r"([0-9a-fA-F-]{2}):[^:]+:[^:]+:[^:]+:([0-9a-fA-F])\t(?:@!?U?P\w+ )?([A-Z0-9_]+)", line)
+                for line in lines[start + 1:end + 1]]
+        body = [match for match in body if match]
+        by_class = {}
+        for match in body:
+            name = sass_class(match.group(3))
+            by_class[name] = by_class.get(name, 0) + 1
+        if "mma" in by_class:
+            facts.append({"scope": "kernel" if start < 0 else "loop", "instructions": len(body),
+                          "stall_cycles": sum(int(match.group(2), 16) for match in body), "by_class": by_class})
+    return min(facts, key=lambda fact: fact["instructions"])
+
+
+def weights_per_thread(config, steps, split_k, scope):
+    """The weights one thread of a program decodes in one pass of the K loop (``scope`` "loop"), or in all its steps
+    ("kernel"), as ``compile_variant`` compiles it: a step's tile (a K-slice program's warps each take their slice)
+    times the steps unrolled in the body, or times the program's steps."""
+    constexprs = fused.gluon_kernel(config, steps, split_k, False, 1)[1]
+    if isinstance(config, KSliceConfig):  # a warp's rows along its own slice
+        return config.block_n * config.block_k * (constexprs["UNROLL"] if scope == "loop" else steps // config.warps) // 32
+    steps_taken = constexprs["UNROLL"] if scope == "loop" else steps // split_k
+    return config.block_n * config.block_k * steps_taken // (config.num_warps * 32)
+
+
+def print_sass(capability):
+    """Per Gluon route of ``capability`` and x dtype: the K loop's instructions per weight, in all and by class."""
+    table = routes.MATMUL_ROUTES if fused.gluon_runs_on(capability) else routes.TL_ROUTES
+    rows = {}
+    for route in routes.routes_for(capability, table):
+        if route.path == "fused":
+            rows.setdefault(route.config, []).append(route.max_rows)
+    for x_dtype, config in variants(capability):
+        if isinstance(config, TlConfig) or config not in rows:
+            continue
+        steps = 4096 // config.block_k  # as compile_variant compiles it
+        facts = loop_facts(compile_variant(capability, x_dtype, config).asm["sass"])
+        weights = weights_per_thread(config, steps, fused.largest_divisor(steps, config.split_k), facts["scope"])
+        print(json.dumps({"x_dtype": TL_NAME[x_dtype], "max_rows": rows[config], "config": repr(config),
+                          "scope": facts["scope"], "weights_per_thread": weights,
+                          "per_weight": round(facts["instructions"] / weights, 3),
+                          "stall_cycles_per_weight": round(facts["stall_cycles"] / weights, 3),
+                          "by_class_per_weight": {name: round(count / weights, 3)
+                                                  for name, count in sorted(facts["by_class"].items())}}), flush=True)
+
+
 def main():
     cc = int(sys.argv[1])
     capability = (cc // 10, cc % 10)
+    if sys.argv[2:] == ["--sass"]:
+        print_sass(capability)
+        return
     for x_dtype, config in variants(capability):
         compiled = compile_variant(capability, x_dtype, config)
         ptx = compiled.asm["ptx"]

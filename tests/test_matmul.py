@@ -506,6 +506,28 @@ def test_routes_compile_ahead_of_time(cc):
         assert streamed == {(True, True), (True, False), (False, True), (False, False)}
 
 
+def test_sass_loop_facts_count_the_k_loop(monkeypatch):
+    """aot_compile_matmul.loop_facts counts the innermost loop that holds a tensor-core instruction (not a loop
+    without one, not the code around it) and falls back to the whole kernel where every step is unrolled."""
+    import os
+
+    if "TRITON_INTERPRET" in os.environ:  # the script sets it at import: given back after the test
+        monkeypatch.setenv("TRITON_INTERPRET", os.environ["TRITON_INTERPRET"])
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import aot_compile_matmul
+
+    sass = "\n".join(["Function:k", "--:-:-:-:1\tS2R R1, SR_TID.X;", "LBB0:", "--:-:-:-:2\tSHFL.IDX PT, R2, R3, R4, 0x1f;",
+                      "--:-:-:-:4\t@P0 BRA LBB0;", "LBB1:", "01:-:-:-:5\tLDG.E.128 R4, desc[UR4][R2.64];",
+                      "--:-:-:-:3\tFMUL R5, R5, R6;", "--:-:-:-:7\tHMMA.16816.F32 R8, R4, R6, R8;",
+                      "--:-:-:-:b\t@!P1 BRA LBB1;", "--:-:-:-:1\tEXIT;"])
+    assert aot_compile_matmul.loop_facts(sass) == {
+        "scope": "loop", "instructions": 4, "stall_cycles": 5 + 3 + 7 + 11,
+        "by_class": {"global load": 1, "fp32 math": 1, "mma": 1, "control": 1}}
+    unrolled = aot_compile_matmul.loop_facts(sass.replace("@!P1 BRA LBB1;", "NOP;"))
+    assert unrolled["scope"] == "kernel" and unrolled["instructions"] == 8 and unrolled["by_class"]["shuffle"] == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_gpu_every_h100_route_within_bound(dtype):
