@@ -5,8 +5,8 @@ facts the tests check. ``python tests/aot_compile_matmul.py CC --sass`` prints i
 SASS (``loop_facts``): its instructions a thread issues per weight it decodes, by class.
 Compiled as the JIT specializes a call with 16-byte aligned tensors and sizes
 of multiples of 16; without that every load is scalar (4096x14336's one-row route, bf16, Triton 3.6:
-358 global loads a thread against 86, x's 16-bit elements one at a time). TRITON_INTERPRET=0 so that
-matmul.py defines compiled kernels on any machine.
+358 global loads a thread against 86, x's 16-bit elements one at a time). Run as a script, TRITON_INTERPRET=0 so
+that matmul.py defines compiled kernels on any machine.
 """
 
 import dataclasses
@@ -16,7 +16,8 @@ import os
 import re
 import sys
 
-os.environ["TRITON_INTERPRET"] = "0"
+if __name__ == "__main__":  # the script alone: imported (its SASS counter, by a test), it changes nothing
+    os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import triton  # noqa: E402

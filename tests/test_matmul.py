@@ -506,16 +506,15 @@ def test_routes_compile_ahead_of_time(cc):
         assert streamed == {(True, True), (True, False), (False, True), (False, False)}
 
 
-def test_sass_loop_facts_count_the_k_loop(monkeypatch):
+def test_sass_loop_facts_count_the_k_loop():
     """aot_compile_matmul.loop_facts counts the innermost loop that holds a tensor-core instruction (not a loop
     without one, not the code around it) and falls back to the whole kernel where every step is unrolled."""
     import os
 
-    if "TRITON_INTERPRET" in os.environ:  # the script sets it at import: given back after the test
-        monkeypatch.setenv("TRITON_INTERPRET", os.environ["TRITON_INTERPRET"])
-    else:
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    before = os.environ.get("TRITON_INTERPRET")
     import aot_compile_matmul
+
+    assert os.environ.get("TRITON_INTERPRET") == before  # imported, the script leaves the process's Triton alone
 
     sass = "\n".join(["Function:k", "--:-:-:-:1\tS2R R1, SR_TID.X;", "LBB0:", "--:-:-:-:2\tSHFL.IDX PT, R2, R3, R4, 0x1f;",
                       "--:-:-:-:4\t@P0 BRA LBB0;", "LBB1:", "01:-:-:-:5\tLDG.E.128 R4, desc[UR4][R2.64];",
