@@ -31,6 +31,14 @@ from nf4_triton.routes import KSliceConfig, TlConfig  # noqa: E402
 TL_NAME = {tl.float16: "fp16", tl.bfloat16: "bf16", tl.float32: "fp32"}
 
 
+K = 4096  # the input features every variant is compiled for
+
+
+def route_table(capability):
+    """The table nf4_linear takes on this Triton: TL_ROUTES where Gluon's mma_v2 is missing (before 3.6)."""
+    return routes.MATMUL_ROUTES if fused.gluon_runs_on(capability) else routes.TL_ROUTES
+
+
 def variants(capability):
     """(x dtype, config) for each fused route of this GPU, in every activation dtype it serves there. Below sm_80,
     where no fused route is taken, the tl kernel's dot tile in fp16: what Triton makes of tl.dot there."""
@@ -38,8 +46,7 @@ def variants(capability):
         if matmul.SM75_COMPILES:  # Triton 3.3.1 aborts in its LLVM lowering there
             yield tl.float16, routes.TL_DEFAULT_ROUTES[0].config
         return
-    # the table nf4_linear takes on this Triton: TL_ROUTES where Gluon's mma_v2 is missing (before 3.6)
-    table = routes.MATMUL_ROUTES if fused.gluon_runs_on(capability) else routes.TL_ROUTES
+    table = route_table(capability)
     for route in routes.routes_for(capability, table):
         if route.path != "fused":
             continue
@@ -57,8 +64,8 @@ def compile_variant(capability, x_dtype, config):
     """The route's kernel for this target: the tl kernel, or a Gluon kernel through Gluon's AST source (its layouts
     as constexprs)."""
     name = TL_NAME[x_dtype]
-    steps = 4096 // config.block_k
-    split_k = fused.largest_divisor(steps, config.split_k)  # as a call at K = 4096 runs it
+    steps = K // config.block_k
+    split_k = fused.largest_divisor(steps, config.split_k)  # as a call at K runs it
     signature = {"x_ptr": f"*{name}", "packed_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32",
                  "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset_ptr": "*fp32", "bias_ptr": f"*{name}",
                  "out_ptr": f"*{name}" if split_k == 1 else "*fp32", "M": "i32", "N": "i32", "K": "i32",
@@ -85,7 +92,7 @@ def compile_variant(capability, x_dtype, config):
                           LOOKUP=config.lookup if kernel.TRITON_COMPILES_SHARED_TABLES else 0)
         options["num_stages"] = config.num_stages
     signature.update({key: "constexpr" for key in constexprs})
-    # the JIT's specialization of a call with 16-byte aligned tensors and sizes of multiples of 16 (K = 4096)
+    # the JIT's specialization of a call with 16-byte aligned tensors and sizes of multiples of 16 (K)
     aligned = [name for name in fn.arg_names if signature[name].startswith("*")] + ["N", "K", "stride_xm"]
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     source = make_source(fn, {key: signature[key] for key in fn.arg_names}, constexprs, attrs=attrs)
@@ -158,15 +165,14 @@ def weights_per_thread(config, steps, split_k, scope):
 
 def print_sass(capability):
     """Per Gluon route of ``capability`` and x dtype: the K loop's instructions per weight, in all and by class."""
-    table = routes.MATMUL_ROUTES if fused.gluon_runs_on(capability) else routes.TL_ROUTES
     rows = {}
-    for route in routes.routes_for(capability, table):
+    for route in routes.routes_for(capability, route_table(capability)):
         if route.path == "fused":
             rows.setdefault(route.config, []).append(route.max_rows)
     for x_dtype, config in variants(capability):
         if isinstance(config, TlConfig) or config not in rows:
             continue
-        steps = 4096 // config.block_k  # as compile_variant compiles it
+        steps = K // config.block_k  # as compile_variant compiles it
         facts = loop_facts(compile_variant(capability, x_dtype, config).asm["sass"])
         weights = weights_per_thread(config, steps, fused.largest_divisor(steps, config.split_k), facts["scope"])
         print(json.dumps({"x_dtype": TL_NAME[x_dtype], "max_rows": rows[config], "config": repr(config),
