@@ -211,7 +211,7 @@ def sweep(dtype, layers, rows, configs, log=print):
                     log(f"{in_features}x{out_features} M={m} {config}: {type(exc).__name__} {str(exc)[:80]}")
                     continue
                 results.append(dict(layer=f"{in_features}x{out_features}", m=m, config=config, us=us, error=error))
-                log(f"row,{dtype},{in_features}x{out_features},{m},{us:.2f},{error:.2e},{tuple(config)}")
+                log(f"row,{dtype},{in_features}x{out_features},{m},{us:.2f},{error:.2e},{config!r}")
             best = sorted((r for r in results if r["layer"] == f"{in_features}x{out_features}" and r["m"] == m),
                           key=lambda r: r["us"])[:5]
             for r in best:

@@ -14,6 +14,7 @@ import pytest
 import triton
 
 import bench.contenders
+import bench.matmul
 import bench.plots
 import bench.results
 import bench.run
@@ -213,3 +214,15 @@ def test_compiled_floor_matches_the_floor_kernel():
     counters.clear()
     assert torch.equal(bench.contenders.compiled_floor(packed, state)(), bench.contenders.expand_floor(packed, state))
     assert not counters["graph_break"]
+
+
+@pytest.mark.gpu
+def test_matmul_sweep_times_and_checks_each_candidate():
+    """``python -m bench.matmul --sweep`` on a small layer: every candidate given is timed and checked."""
+    import torch
+
+    lines = []
+    results = bench.matmul.sweep(torch.float16, [(256, 128)], [16], lambda m: bench.matmul.candidates(m)[:2],
+                                 log=lines.append)
+    assert len(results) == 2 and all(r["error"] < 1e-2 for r in results), lines
+    assert sum(line.startswith("row,") for line in lines) == 3 + 2, lines
